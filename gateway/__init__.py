@@ -1,0 +1,3 @@
+"""vllm-guard: a response-guarding OpenAI-compatible gateway for vLLM."""
+
+__version__ = "0.1.0"

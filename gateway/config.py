@@ -1,0 +1,296 @@
+"""One validated settings model: YAML file, then environment, then CLI flags.
+
+Precedence (highest first): explicit overrides (CLI) > ``VLLM_GUARD_*`` environment
+variables (nested with ``__``, e.g. ``VLLM_GUARD_GUARD__MAX_ATTEMPTS=2``) > the YAML
+file > defaults.  ``load_settings`` is the only entry point; it raises
+``ConfigError`` with plain-language messages.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+DEFAULT_BACKEND_URL = "http://127.0.0.1:8000"
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message is meant for a human."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BackendRole(StrEnum):
+    PRIMARY = "primary"
+    FIXED = "fixed"
+
+
+class BackendSettings(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    url: str
+    role: BackendRole = BackendRole.PRIMARY
+    weight: Annotated[float, Field(gt=0)] = 1.0
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not re.match(r"^https?://[^/\s]+(/.*)?$", value):
+            raise ValueError(f"backend url must look like http://host:port, got {value!r}")
+        return value.rstrip("/")
+
+
+class TimeoutSettings(_Strict):
+    connect_s: Annotated[float, Field(gt=0)] = 5.0
+    #: Longest silence between two reads of an upstream response. Long generations
+    #: stream tokens continuously; a non-streaming request is silent until done.
+    read_s: Annotated[float, Field(gt=0)] = 600.0
+    #: Time to wait for a free connection from the pool.
+    pool_s: Annotated[float, Field(gt=0)] = 30.0
+
+
+class UpstreamSettings(_Strict):
+    backends: list[BackendSettings] = Field(
+        default_factory=lambda: [BackendSettings(name="default", url=DEFAULT_BACKEND_URL)]
+    )
+    #: When set, replaces the client's Authorization header towards the backends.
+    api_key: str | None = None
+    timeouts: TimeoutSettings = TimeoutSettings()
+    max_connections: Annotated[int, Field(ge=1)] = 512
+    health_interval_s: Annotated[float, Field(gt=0)] = 5.0
+    #: How often each backend's own /metrics is scraped (prefix-cache hit ratio).
+    metrics_scrape_interval_s: Annotated[float, Field(gt=0)] = 15.0
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Self:
+        if not self.backends:
+            raise ValueError("at least one backend is required")
+        names = [b.name for b in self.backends]
+        if len(set(names)) != len(names):
+            raise ValueError(f"backend names must be unique, got {names}")
+        if not any(b.role is BackendRole.PRIMARY for b in self.backends):
+            raise ValueError("at least one backend must have role 'primary'")
+        if sum(b.role is BackendRole.FIXED for b in self.backends) > 1:
+            raise ValueError("at most one backend may have role 'fixed'")
+        return self
+
+
+class DetectorSettings(_Strict):
+    """Thresholds of the degenerate-output detectors (see gateway.detect)."""
+
+    punct_run: bool = True
+    #: A run (whitespace between repeats allowed) of one repeated ASCII punctuation
+    #: character this long is suspicious...
+    punct_min_run: Annotated[int, Field(ge=2)] = 12
+    #: ...and degenerate when runs of that character make up at least this share of
+    #: the visible (non-space) output, or the run ends the output ("click(!!!!...").
+    punct_min_share: Annotated[float, Field(gt=0, le=1)] = 0.6
+    #: A trailing run this long is degenerate whatever precedes it.
+    punct_min_tail_run: Annotated[int, Field(ge=2)] = 16
+    #: Characters never counted as the repeated one (markdown rules, ellipses,
+    #: tables, underlines): long legitimate runs of these are common.
+    punct_ignore: str = "-=_.*#~`|+/\\<>"
+    empty: bool = True
+    #: Empty content with reasoning and finish_reason "length" is a model that ran
+    #: out of tokens while thinking, not corruption.
+    empty_with_reasoning_on_length: bool = False
+    repetition: bool = True
+    token_loop: bool = True
+    #: The output ends with one unit of up to max_unit_chars characters (containing a
+    #: letter) repeated at least this many times: "the the the ...".
+    token_loop_min_repeats: Annotated[int, Field(ge=4)] = 16
+    token_loop_max_unit_chars: Annotated[int, Field(ge=1, le=256)] = 64
+    malformed_tool_call: bool = True
+    #: Extra regular expressions; a match anywhere in a choice's text is degenerate.
+    deny_patterns: list[str] = Field(default_factory=list)
+
+    @field_validator("deny_patterns")
+    @classmethod
+    def _compiles(cls, patterns: list[str]) -> list[str]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"deny pattern {pattern!r} is not a valid regex: {exc}") from exc
+        return patterns
+
+
+class GuardMode(StrEnum):
+    ENFORCE = "enforce"  # detect, retry, apply the exhausted policy
+    OBSERVE = "observe"  # detect and count, never retry
+    OFF = "off"  # plain proxy
+
+
+class ExhaustedPolicy(StrEnum):
+    DELIVER = "deliver"
+    ERROR = "error"
+
+
+class RetryTarget(StrEnum):
+    SAME = "same"
+    FIXED = "fixed"
+
+
+class AfterRelease(StrEnum):
+    PASS = "pass"
+    CUT = "cut"
+
+
+class RetryBudgetSettings(_Strict):
+    #: Retries may be at most this fraction of the requests seen in the window...
+    ratio: Annotated[float, Field(ge=0)] = 0.2
+    #: ...plus this many retries per second, so a quiet server can still recover.
+    min_per_second: Annotated[float, Field(ge=0)] = 1.0
+    window_s: Annotated[float, Field(gt=0)] = 10.0
+
+
+class SaltReuseSettings(_Strict):
+    enabled: bool = True
+    #: Also send later first attempts of a conversation with its known-clean salt,
+    #: so they stay away from a chain known to be poisoned.
+    on_first_attempt: bool = True
+    #: How many leading messages (or prompt characters for completions) identify
+    #: a conversation.
+    fingerprint_messages: Annotated[int, Field(ge=1)] = 2
+    fingerprint_prompt_chars: Annotated[int, Field(ge=16)] = 2048
+    max_entries: Annotated[int, Field(ge=1)] = 100_000
+    ttl_s: Annotated[float, Field(gt=0)] = 3600.0
+
+
+class StreamSettings(_Strict):
+    #: Visible characters held back before the first byte reaches the client.
+    #: 0 disables hold-back (streams are then only inspected and counted).
+    holdback_chars: Annotated[int, Field(ge=0)] = 32
+    after_release: AfterRelease = AfterRelease.PASS
+
+
+class ModelSettings(_Strict):
+    """Per-model overrides; unset fields inherit the global ones."""
+
+    detectors: DetectorSettings | None = None
+    holdback_chars: Annotated[int, Field(ge=0)] | None = None
+
+
+class GuardSettings(_Strict):
+    mode: GuardMode = GuardMode.ENFORCE
+    max_attempts: Annotated[int, Field(ge=1, le=10)] = 3
+    on_exhausted: ExhaustedPolicy = ExhaustedPolicy.DELIVER
+    retry_target: RetryTarget = RetryTarget.SAME
+    #: Share of first attempts sent to the "fixed" backend (0..1).
+    canary_weight: Annotated[float, Field(ge=0, le=1)] = 0.0
+    budget: RetryBudgetSettings = RetryBudgetSettings()
+    salt_reuse: SaltReuseSettings = SaltReuseSettings()
+    stream: StreamSettings = StreamSettings()
+    detectors: DetectorSettings = DetectorSettings()
+
+
+class ServerSettings(_Strict):
+    host: str = "0.0.0.0"
+    port: Annotated[int, Field(ge=0, le=65535)] = 8080
+    workers: Annotated[int, Field(ge=1, le=64)] = 1
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    log_level: str = "info"
+
+
+class MetricsSettings(_Strict):
+    enabled: bool = True
+    #: Multiprocess-mode directory when workers > 1 (created and wiped at start).
+    multiproc_dir: str | None = None
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        extra="forbid", frozen=True, env_prefix="VLLM_GUARD_", env_nested_delimiter="__"
+    )
+
+    server: ServerSettings = ServerSettings()
+    upstream: UpstreamSettings = UpstreamSettings()
+    guard: GuardSettings = GuardSettings()
+    metrics: MetricsSettings = MetricsSettings()
+    #: Model name -> overrides. Also the bounded set of model label values.
+    models: dict[str, ModelSettings] = Field(default_factory=dict)
+
+    def detectors_for(self, model: str) -> DetectorSettings:
+        override = self.models.get(model)
+        if override is not None and override.detectors is not None:
+            return override.detectors
+        return self.guard.detectors
+
+    def holdback_for(self, model: str) -> int:
+        override = self.models.get(model)
+        if override is not None and override.holdback_chars is not None:
+            return override.holdback_chars
+        return self.guard.stream.holdback_chars
+
+
+def _settings_class(file_data: dict[str, Any]) -> type[Settings]:
+    class _Loaded(Settings):
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return init_settings, env_settings, InitSettingsSource(settings_cls, file_data)
+
+    return _Loaded
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = "unknown setting (check the spelling against config/vllm-guard.yaml)"
+        lines.append(f"  {where}: {message}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def load_settings(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> Settings:
+    """Load and validate settings; raise ConfigError with a readable message."""
+    file_data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        file_data = loaded
+    init = _deep_merge({}, overrides or {})
+    try:
+        return _settings_class(file_data)(**init)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None

@@ -1,0 +1,392 @@
+"""Pure detectors of degenerate output: text in, verdict out.
+
+Two forms share one definition of each detector:
+
+* ``Detector.inspect_body`` reads a whole (non-streaming) response body;
+* ``Detector.stream_inspector()`` returns a ``StreamInspector`` fed chunk by chunk.
+
+Precision over recall (DESIGN.md, invariant 7): every threshold errs towards
+leaving legitimate text alone. ``tests/data/`` holds the false-positive corpus that
+pins this.
+
+``punct_run`` only considers ASCII punctuation that is not in the ignore set.
+Emoji, CJK and letters are never "punctuation", and characters that form long
+legitimate runs (``-=_.*#~`|+/\\<>``: rules, tables, ellipses, banners, arrows) are
+ignored by default.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import lru_cache
+from typing import Any
+
+import orjson
+
+from gateway.config import DetectorSettings
+
+
+class DegenerateKind(StrEnum):
+    PUNCT_RUN = "punct_run"
+    EMPTY = "empty"
+    REPETITION = "repetition"
+    TOKEN_LOOP = "token_loop"
+    MALFORMED_TOOL_CALL = "malformed_tool_call"
+    DENY_PATTERN = "deny_pattern"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    kind: DegenerateKind | None = None
+    choice_index: int | None = None
+
+    @property
+    def degenerate(self) -> bool:
+        return self.kind is not None
+
+
+CLEAN = Verdict()
+
+_WHITESPACE = re.compile(r"\s+")
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceOutput:
+    """What one choice said, however it arrived."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_arguments: tuple[str, ...] = ()
+    finish_reason: str | None = None
+
+
+class Detector:
+    """Compiled detectors for one DetectorSettings; cheap to call, safe to share."""
+
+    def __init__(self, settings: DetectorSettings) -> None:
+        self.settings = settings
+        self.candidates = frozenset(string.punctuation) - frozenset(settings.punct_ignore)
+        escaped = "".join(re.escape(c) for c in sorted(self.candidates))
+        self._run_pattern = (
+            re.compile(rf"([{escaped}])(?:\s*\1){{{settings.punct_min_run - 1},}}")
+            if escaped
+            else None
+        )
+        self._deny = [re.compile(p) for p in settings.deny_patterns]
+
+    # -- text detectors ---------------------------------------------------------
+
+    def punct_run(self, text: str) -> bool:
+        """A run of one repeated punctuation character dominates or ends the text."""
+        if not self.settings.punct_run or self._run_pattern is None:
+            return False
+        tail = trailing_run(text, self.candidates)
+        if tail >= self.settings.punct_min_tail_run:
+            return True
+        visible = 0
+        for match in self._run_pattern.finditer(text):
+            if not visible:
+                visible = len(text) - sum(len(ws) for ws in _WHITESPACE.findall(text))
+            char = match.group(1)
+            if text.count(char) >= self.settings.punct_min_share * visible:
+                return True
+        return False
+
+    def token_loop(self, text: str) -> bool:
+        """The text ends with one short unit (that has a letter) repeated many times."""
+        if not self.settings.token_loop:
+            return False
+        return ends_in_loop(
+            text.rstrip(),
+            self.settings.token_loop_min_repeats,
+            self.settings.token_loop_max_unit_chars,
+        )
+
+    def deny_pattern(self, text: str) -> bool:
+        return any(p.search(text) for p in self._deny)
+
+    def text_kind(self, text: str) -> DegenerateKind | None:
+        if not text:
+            return None
+        if self.punct_run(text):
+            return DegenerateKind.PUNCT_RUN
+        if self.token_loop(text):
+            return DegenerateKind.TOKEN_LOOP
+        if self._deny and self.deny_pattern(text):
+            return DegenerateKind.DENY_PATTERN
+        return None
+
+    # -- choice and body --------------------------------------------------------
+
+    def choice_kind(self, choice: ChoiceOutput) -> DegenerateKind | None:
+        s = self.settings
+        if s.repetition and choice.finish_reason == "repetition":
+            return DegenerateKind.REPETITION
+        for text in (choice.content, choice.reasoning, *choice.tool_arguments):
+            kind = self.text_kind(text)
+            if kind is not None:
+                return kind
+        if s.malformed_tool_call and any(not _is_json(args) for args in choice.tool_arguments):
+            return DegenerateKind.MALFORMED_TOOL_CALL
+        if s.empty and not choice.tool_arguments and not choice.content.strip():
+            if choice.finish_reason == "stop":
+                return DegenerateKind.EMPTY
+            if (
+                s.empty_with_reasoning_on_length
+                and choice.finish_reason == "length"
+                and choice.reasoning.strip()
+            ):
+                return DegenerateKind.EMPTY
+        return None
+
+    def inspect_choices(self, choices: Iterable[tuple[int, ChoiceOutput]]) -> Verdict:
+        for index, choice in choices:
+            kind = self.choice_kind(choice)
+            if kind is not None:
+                return Verdict(kind, index)
+        return CLEAN
+
+    def inspect_body(self, body: Mapping[str, Any]) -> Verdict:
+        """Inspect a chat.completion or text_completion body."""
+        choices = body.get("choices")
+        if not isinstance(choices, list):
+            return CLEAN
+        return self.inspect_choices(
+            (_index(c, i), choice_output(c)) for i, c in enumerate(choices) if isinstance(c, dict)
+        )
+
+    def stream_inspector(self) -> StreamInspector:
+        return StreamInspector(self)
+
+
+def choice_output(choice: Mapping[str, Any]) -> ChoiceOutput:
+    """Read one choice of a chat or completions body (non-streaming)."""
+    message = choice.get("message")
+    finish = choice.get("finish_reason")
+    finish_reason = finish if isinstance(finish, str) else None
+    if isinstance(message, dict):
+        return ChoiceOutput(
+            content=_text(message.get("content")),
+            reasoning=_text(message.get("reasoning_content")) or _text(message.get("reasoning")),
+            tool_arguments=_tool_arguments(message.get("tool_calls")),
+            finish_reason=finish_reason,
+        )
+    return ChoiceOutput(content=_text(choice.get("text")), finish_reason=finish_reason)
+
+
+def trailing_run(text: str, candidates: frozenset[str]) -> int:
+    """Length of the run of one candidate character ending the text, whitespace skipped."""
+    run_char = ""
+    run = 0
+    for char in reversed(text):
+        if char.isspace():
+            continue
+        if run_char:
+            if char != run_char:
+                break
+        elif char in candidates:
+            run_char = char
+        else:
+            break
+        run += 1
+    return run
+
+
+def ends_in_loop(text: str, min_repeats: int, max_unit: int) -> bool:
+    for unit_len in range(1, max_unit + 1):
+        span = unit_len * min_repeats
+        if span > len(text):
+            break
+        unit = text[-unit_len:]
+        if text.endswith(unit * min_repeats) and _loop_unit_counts(unit):
+            return True
+    return False
+
+
+@lru_cache(maxsize=1024)
+def _loop_unit_counts(unit: str) -> bool:
+    # A unit with no letter ("0, ", "|---") or a single distinct character ("zzz")
+    # is left to punct_run or treated as legitimate data.
+    letters = any(c.isalpha() for c in unit)
+    return letters and len(set(unit.replace(" ", ""))) >= 2
+
+
+def _is_json(text: str) -> bool:
+    if not text.strip():
+        return True  # some servers send "" for a call without arguments
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
+def _text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _index(choice: Mapping[str, Any], default: int) -> int:
+    index = choice.get("index")
+    return index if isinstance(index, int) else default
+
+
+def _tool_arguments(tool_calls: object) -> tuple[str, ...]:
+    if not isinstance(tool_calls, list):
+        return ()
+    out = []
+    for call in tool_calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            out.append(_text(function.get("arguments")))
+    return tuple(out)
+
+
+# -- streams --------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class PunctTracker:
+    """Incremental punct_run: the same rule as Detector.punct_run, fed piece by piece."""
+
+    detector: Detector
+    visible: int = 0
+    run_char: str = ""
+    run: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    long_run_chars: set[str] = field(default_factory=set)
+
+    def feed(self, text: str) -> None:
+        candidates = self.detector.candidates
+        min_run = self.detector.settings.punct_min_run
+        for char in text:
+            if char.isspace():
+                continue
+            self.visible += 1
+            if char in candidates:
+                self.counts[char] = self.counts.get(char, 0) + 1
+                if char == self.run_char:
+                    self.run += 1
+                else:
+                    self.run_char, self.run = char, 1
+                if self.run >= min_run:
+                    self.long_run_chars.add(char)
+            else:
+                self.run_char, self.run = "", 0
+
+    def degenerate(self) -> bool:
+        s = self.detector.settings
+        if not s.punct_run:
+            return False
+        if self.run >= s.punct_min_tail_run:
+            return True
+        return any(self.counts[c] >= s.punct_min_share * self.visible for c in self.long_run_chars)
+
+
+@dataclass(slots=True)
+class _StreamChoice:
+    content: PunctTracker
+    reasoning: PunctTracker
+    content_parts: list[str] = field(default_factory=list)
+    reasoning_parts: list[str] = field(default_factory=list)
+    tool_arguments: dict[int, list[str]] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+    def output(self) -> ChoiceOutput:
+        return ChoiceOutput(
+            content="".join(self.content_parts),
+            reasoning="".join(self.reasoning_parts),
+            tool_arguments=tuple(
+                "".join(parts) for _, parts in sorted(self.tool_arguments.items())
+            ),
+            finish_reason=self.finish_reason,
+        )
+
+
+class StreamInspector:
+    """Follows a chat or completions SSE stream chunk by chunk."""
+
+    def __init__(self, detector: Detector) -> None:
+        self.detector = detector
+        self.choices: dict[int, _StreamChoice] = {}
+        #: Visible (non-whitespace) characters of content, reasoning and tool calls.
+        self.visible_chars = 0
+        self.finished = False
+
+    def _choice(self, index: int) -> _StreamChoice:
+        state = self.choices.get(index)
+        if state is None:
+            state = _StreamChoice(PunctTracker(self.detector), PunctTracker(self.detector))
+            self.choices[index] = state
+        return state
+
+    def feed(self, chunk: Mapping[str, Any]) -> None:
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            return
+        for position, raw in enumerate(choices):
+            if not isinstance(raw, dict):
+                continue
+            state = self._choice(_index(raw, position))
+            delta = raw.get("delta")
+            if isinstance(delta, dict):
+                self._feed_delta(state, delta)
+            else:
+                self._feed_text(state.content, state.content_parts, _text(raw.get("text")))
+            finish = raw.get("finish_reason")
+            if isinstance(finish, str):
+                state.finish_reason = finish
+
+    def _feed_delta(self, state: _StreamChoice, delta: Mapping[str, Any]) -> None:
+        self._feed_text(state.content, state.content_parts, _text(delta.get("content")))
+        reasoning = _text(delta.get("reasoning_content")) or _text(delta.get("reasoning"))
+        self._feed_text(state.reasoning, state.reasoning_parts, reasoning)
+        tool_calls = delta.get("tool_calls")
+        if isinstance(tool_calls, list):
+            for position, call in enumerate(tool_calls):
+                if not isinstance(call, dict):
+                    continue
+                index = _index(call, position)
+                parts = state.tool_arguments.setdefault(index, [])
+                function = call.get("function")
+                if isinstance(function, dict):
+                    args = _text(function.get("arguments"))
+                    if args:
+                        parts.append(args)
+                        self.visible_chars += len(args)
+
+    def _feed_text(self, tracker: PunctTracker, parts: list[str], text: str) -> None:
+        if text:
+            before = tracker.visible
+            tracker.feed(text)
+            parts.append(text)
+            self.visible_chars += tracker.visible - before
+
+    def partial_verdict(self) -> Verdict:
+        """Verdict on what has arrived so far (the stream is still running)."""
+        for index, state in self.choices.items():
+            if state.content.degenerate() or state.reasoning.degenerate():
+                return Verdict(DegenerateKind.PUNCT_RUN, index)
+        return CLEAN
+
+    def holdback_verdict(self) -> Verdict:
+        """Verdict at the end of the hold-back window: cheap incremental checks plus
+        the text detectors on what is held."""
+        partial = self.partial_verdict()
+        if partial.degenerate:
+            return partial
+        for index, state in self.choices.items():
+            for text in ("".join(state.content_parts), "".join(state.reasoning_parts)):
+                kind = self.detector.text_kind(text)
+                if kind is not None:
+                    return Verdict(kind, index)
+        return CLEAN
+
+    def final_verdict(self) -> Verdict:
+        """Verdict once the stream has ended (finish reasons known)."""
+        return self.detector.inspect_choices(
+            (index, state.output()) for index, state in sorted(self.choices.items())
+        )

@@ -1,0 +1,99 @@
+"""The gateway's own errors, each knowing its HTTP status and OpenAI error ``type``.
+
+    GatewayError
+    ├── BadRequest                 400  invalid_request_error
+    │   └── InvalidCacheSalt       400  (vLLM's own rule and message)
+    ├── Unauthorized               401  authentication_error
+    ├── PayloadTooLarge            413  invalid_request_error
+    ├── UpstreamError              502  upstream_error
+    │   ├── BackendUnreachable     502
+    │   └── UpstreamProtocolError  502  (garbage from the backend)
+    ├── DegenerateResponse         502  degenerate_response (guard gave up, policy "error")
+    ├── NoHealthyBackend           503  service_unavailable
+    └── UpstreamTimeout            504  timeout
+
+Rendered once, by ``error_body``, as ``{"error": {message, type, param, code}}``.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+class GatewayError(Exception):
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, param=self.param, code=self.code)
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "BadRequestError"
+    code = "invalid_request"
+
+
+class InvalidCacheSalt(BadRequest):
+    code = "invalid_cache_salt"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    type = "upstream_error"
+    code = "bad_gateway"
+
+
+class BackendUnreachable(UpstreamError):
+    code = "backend_unreachable"
+
+
+class UpstreamProtocolError(UpstreamError):
+    code = "upstream_protocol_error"
+
+
+class DegenerateResponse(GatewayError):
+    status = 502
+    type = "degenerate_response"
+    code = "degenerate_response"
+
+
+class NoHealthyBackend(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_healthy_backend"
+
+
+class UpstreamTimeout(GatewayError):
+    status = 504
+    type = "timeout"
+    code = "upstream_timeout"
+
+
+def error_body(message: str, type_: str, *, param: str | None = None, code: str | None) -> bytes:
+    return orjson.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    )
+
+
+def sse_error_event(error: GatewayError) -> bytes:
+    """An in-band error for a stream that has already started, then ``[DONE]``."""
+    return b"data: " + error.body() + b"\n\ndata: [DONE]\n\n"

@@ -1,0 +1,504 @@
+"""The guard loop: attempts, verdicts, salted retries, the exhausted policy.
+
+One request pipeline for chat and completions, streaming or not. An *attempt*
+opens the upstream response and lets the inspector read it (the whole body, or
+a stream up to the hold-back window) before anything is sent to the client, so a
+discarded attempt has sent nothing. Only then does the response start.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+from starlette.responses import Response, StreamingResponse
+
+from gateway.config import (
+    AfterRelease,
+    ExhaustedPolicy,
+    GuardMode,
+    Settings,
+)
+from gateway.detect import CLEAN, DegenerateKind, Detector, StreamInspector, Verdict
+from gateway.errors import (
+    BackendUnreachable,
+    DegenerateResponse,
+    GatewayError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    sse_error_event,
+)
+from gateway.metrics import Metrics
+from gateway.request import GuardedRequest, attempt_overrides, body_with
+from gateway.retry import RetryBudget, SaltMemory, conversation_key
+from gateway.salt import fresh_salt
+from gateway.sse import DONE, SSEEvent, SSEParser
+from gateway.upstream import Backend, BackendPool, map_transport_errors, response_headers
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS_HEADER = "x-vllm-guard-attempts"
+VERDICT_HEADER = "x-vllm-guard-verdict"
+SSE_MEDIA_TYPE = "text/event-stream"
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int | None
+
+
+def read_usage(payload: object) -> Usage | None:
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens")
+    if not isinstance(prompt, int):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return Usage(prompt, cached if isinstance(cached, int) else None)
+
+
+@dataclass(slots=True)
+class Trace:
+    """Per-request accounting, filled in as the request goes."""
+
+    request: GuardedRequest
+    model: str  # bounded label value
+    started: float
+    conversation: str | None
+    upstream_s: float = 0.0
+    attempts: int = 0
+    degenerate_seen: bool = False
+
+
+@dataclass(slots=True)
+class StreamState:
+    """An upstream stream being read: what has been held back, and what it said."""
+
+    response: aiohttp.ClientResponse
+    backend: Backend
+    inspector: StreamInspector
+    strip_usage: bool
+    parser: SSEParser = field(default_factory=SSEParser)
+    held: list[bytes] = field(default_factory=list)
+    done: bool = False
+    usage: Usage | None = None
+    upstream_error: bool = False
+    _reader: AsyncIterator[list[bytes]] | None = None
+
+    def ended(self) -> bool:
+        return self.done or self.upstream_error
+
+    def accept(self, event: SSEEvent) -> bytes | None:
+        """Inspect one event; return the bytes to forward, or None to drop it."""
+        data = event.data
+        if data is None:
+            return event.raw  # comment or keep-alive
+        if data == DONE:
+            self.done = True
+            return event.raw
+        try:
+            payload = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise UpstreamProtocolError("backend sent an SSE event that is not JSON") from None
+        if not isinstance(payload, dict):
+            raise UpstreamProtocolError("backend sent an SSE event that is not a JSON object")
+        if "error" in payload:
+            self.upstream_error = True
+            return event.raw
+        usage = read_usage(payload)
+        if usage is not None:
+            self.usage = usage
+            if self.strip_usage and payload.get("choices") == []:
+                return None
+        self.inspector.feed(payload)
+        return event.raw
+
+    def batches(self) -> AsyncIterator[list[bytes]]:
+        """Forwardable event bytes, one list per network chunk; resumable after a break."""
+        if self._reader is None:
+            self._reader = self._read()
+        return self._reader
+
+    async def _read(self) -> AsyncIterator[list[bytes]]:
+        with map_transport_errors(self.backend):
+            async for chunk in self.response.content.iter_any():
+                yield [f for e in self.parser.feed(chunk) if (f := self.accept(e)) is not None]
+                if self.ended():
+                    return
+        tail = self.parser.close()
+        if tail is not None and (forward := self.accept(tail)) is not None:
+            yield [forward]
+        if not self.ended():
+            raise UpstreamProtocolError("backend stream ended before [DONE]")
+
+
+@dataclass(slots=True)
+class Attempt:
+    backend: Backend
+    salt: str | None
+    status: int
+    headers: dict[str, str]
+    verdict: Verdict = CLEAN
+    body: bytes = b""
+    usage: Usage | None = None
+    stream: StreamState | None = None
+    #: Seconds spent waiting on the backend for this attempt.
+    upstream_s: float = 0.0
+
+    async def discard(self) -> None:
+        if self.stream is not None:
+            self.stream.response.close()
+
+
+class Guard:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: BackendPool,
+        metrics: Metrics,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.metrics = metrics
+        self.rng = rng or random.Random()
+        self.budget = RetryBudget(settings.guard.budget)
+        self.salts = SaltMemory(settings.guard.salt_reuse)
+        self._detectors: dict[str, Detector] = {}
+        self._default_detector = Detector(settings.guard.detectors)
+        self._tokens_unreported: set[str] = set()
+
+    # -- configuration lookups ----------------------------------------------------
+
+    @property
+    def mode(self) -> GuardMode:
+        return self.settings.guard.mode
+
+    def detector_for(self, model: str | None) -> Detector:
+        if model is None or model not in self.settings.models:
+            return self._default_detector
+        detector = self._detectors.get(model)
+        if detector is None:
+            detector = Detector(self.settings.detectors_for(model))
+            self._detectors[model] = detector
+        return detector
+
+    def holdback_for(self, model: str | None) -> int:
+        if self.mode is not GuardMode.ENFORCE:
+            return 0
+        return (
+            self.settings.holdback_for(model)
+            if model
+            else self.settings.guard.stream.holdback_chars
+        )
+
+    # -- the pipeline -------------------------------------------------------------
+
+    async def handle(
+        self, request: GuardedRequest, headers: dict[str, str], started: float
+    ) -> Response:
+        settings = self.settings.guard
+        trace = Trace(
+            request=request,
+            model=self.metrics.model_label(request.model),
+            started=started,
+            conversation=(
+                conversation_key(
+                    request.endpoint, request.body, request.client_salt, settings.salt_reuse
+                )
+                if settings.salt_reuse.enabled and self.mode is GuardMode.ENFORCE
+                else None
+            ),
+        )
+        self.budget.record_request()
+        salt = request.client_salt
+        remembered = self.salts.get(trace.conversation)
+        if remembered is not None and settings.salt_reuse.on_first_attempt:
+            salt = remembered
+            self.metrics.salt_reuse.labels(trace.model, "first").inc()
+        backend = self.pool.choose_first(settings.canary_weight, self.rng)
+        while True:
+            trace.attempts += 1
+            try:
+                attempt = await self._attempt(request, backend, salt, headers, trace)
+            except (BackendUnreachable, UpstreamTimeout) as exc:
+                if not self._may_retry(trace):
+                    self._finish(trace, backend, "error")
+                    raise
+                log.warning("attempt %d failed (%s); failing over", trace.attempts, exc.code)
+                self.metrics.retries.labels(trace.model, backend.name, "backend_error").inc()
+                backend = self.pool.choose_retry(
+                    backend, settings.retry_target, self.rng, failover=True
+                )
+                continue
+            except GatewayError:
+                self._finish(trace, backend, "error")
+                raise
+            if attempt.status != 200 or not attempt.verdict.degenerate:
+                return self._release(attempt, trace)
+            # Degenerate: count it, and retry if the policy and the budget allow.
+            kind = attempt.verdict.kind
+            assert kind is not None
+            trace.degenerate_seen = True
+            self.metrics.degenerate.labels(trace.model, backend.name, kind).inc()
+            if attempt.salt is not None and attempt.salt != request.client_salt:
+                self.salts.forget(trace.conversation, attempt.salt)
+            if self.mode is not GuardMode.ENFORCE or not self._may_retry(trace):
+                return await self._exhausted(attempt, trace)
+            await attempt.discard()
+            if attempt.stream is not None:
+                self._count_attempt(attempt, trace)
+            self.metrics.retries.labels(trace.model, backend.name, kind).inc()
+            salt = self._retry_salt(trace, failed=attempt.salt)
+            backend = self.pool.choose_retry(
+                backend, settings.retry_target, self.rng, failover=False
+            )
+
+    def _may_retry(self, trace: Trace) -> bool:
+        if trace.attempts >= self.settings.guard.max_attempts:
+            return False
+        if not self.budget.try_spend():
+            self.metrics.budget_exhausted.labels(trace.model).inc()
+            return False
+        return True
+
+    def _retry_salt(self, trace: Trace, failed: str | None) -> str:
+        remembered = self.salts.get(trace.conversation)
+        if remembered is not None and remembered != failed:
+            self.metrics.salt_reuse.labels(trace.model, "retry").inc()
+            return remembered
+        return fresh_salt(trace.request.client_salt)
+
+    async def _exhausted(self, attempt: Attempt, trace: Trace) -> Response:
+        kind = attempt.verdict.kind
+        assert kind is not None
+        if (
+            self.mode is GuardMode.ENFORCE
+            and self.settings.guard.on_exhausted is ExhaustedPolicy.ERROR
+        ):
+            await attempt.discard()
+            if attempt.stream is not None:
+                self._count_attempt(attempt, trace)
+            self._finish(trace, attempt.backend, "degenerate")
+            raise DegenerateResponse(
+                f"the backend returned a degenerate answer ({kind}) on all "
+                f"{trace.attempts} attempt(s)"
+            )
+        self.metrics.degenerate_delivered.labels(trace.model, attempt.backend.name, kind).inc()
+        return self._release(attempt, trace)
+
+    # -- one attempt --------------------------------------------------------------
+
+    async def _attempt(
+        self,
+        request: GuardedRequest,
+        backend: Backend,
+        salt: str | None,
+        headers: dict[str, str],
+        trace: Trace,
+    ) -> Attempt:
+        body = body_with(request, attempt_overrides(request, salt))
+        opened = time.perf_counter()
+        response = await backend.open("POST", request.path, headers=headers, body=body)
+        attempt = Attempt(
+            backend, salt, response.status, response_headers(response, keep_encoding=False)
+        )
+        try:
+            if response.status != 200 or not request.stream:
+                with map_transport_errors(backend):
+                    attempt.body = await response.read()
+                response.release()
+                if response.status == 200:
+                    self._inspect_body(attempt, request)
+            else:
+                attempt.stream = StreamState(
+                    response,
+                    backend,
+                    self.detector_for(request.model).stream_inspector(),
+                    strip_usage=not request.client_wants_usage,
+                )
+                await self._hold_back(attempt, trace)
+        except BaseException:
+            response.close()
+            raise
+        finally:
+            attempt.upstream_s = time.perf_counter() - opened
+            trace.upstream_s += attempt.upstream_s
+        if attempt.stream is None:
+            self._count_attempt(attempt, trace)
+        return attempt
+
+    def _inspect_body(self, attempt: Attempt, request: GuardedRequest) -> None:
+        try:
+            payload = orjson.loads(attempt.body)
+        except orjson.JSONDecodeError:
+            return  # not ours to judge; relayed as the backend sent it
+        if not isinstance(payload, dict):
+            return
+        attempt.usage = read_usage(payload)
+        if self.mode is not GuardMode.OFF:
+            attempt.verdict = self.detector_for(request.model).inspect_body(payload)
+
+    async def _hold_back(self, attempt: Attempt, trace: Trace) -> None:
+        """Read the stream until the guard can decide, keeping every byte back."""
+        state = attempt.stream
+        assert state is not None
+        window = self.holdback_for(trace.request.model)
+        if window == 0:
+            return
+        async for forward in state.batches():
+            state.held.extend(forward)
+            if state.ended():
+                break
+            if state.inspector.visible_chars >= window:
+                attempt.verdict = state.inspector.holdback_verdict()
+                return
+        attempt.usage = state.usage
+        if state.done and not state.upstream_error:
+            attempt.verdict = state.inspector.final_verdict()
+
+    # -- releasing to the client ----------------------------------------------------
+
+    def _headers(self, attempt: Attempt, trace: Trace, verdict: str) -> dict[str, str]:
+        headers = attempt.headers
+        headers[ATTEMPTS_HEADER] = str(trace.attempts)
+        headers[VERDICT_HEADER] = verdict
+        return headers
+
+    def _request_verdict(self, attempt: Attempt, trace: Trace) -> str:
+        if attempt.status != 200:
+            return "error"
+        if attempt.verdict.degenerate:
+            return "degenerate"
+        return "recovered" if trace.degenerate_seen else "clean"
+
+    def _release(self, attempt: Attempt, trace: Trace) -> Response:
+        verdict = self._request_verdict(attempt, trace)
+        salt = attempt.salt
+        if verdict in ("clean", "recovered") and salt not in (None, trace.request.client_salt):
+            self.salts.remember(trace.conversation, salt)
+        headers = self._headers(attempt, trace, verdict)
+        if attempt.stream is None:
+            self._finish(trace, attempt.backend, verdict)
+            return Response(attempt.body, status_code=attempt.status, headers=headers)
+        now = time.perf_counter()
+        self.metrics.ttft.labels(trace.model, attempt.backend.name).observe(now - trace.started)
+        self.metrics.overhead.labels(trace.request.endpoint, "true").observe(
+            max(0.0, now - trace.started - trace.upstream_s)
+        )
+        return StreamingResponse(
+            self._relay(attempt, trace, verdict),
+            status_code=200,
+            headers=headers,
+            media_type=SSE_MEDIA_TYPE,
+        )
+
+    async def _relay(self, attempt: Attempt, trace: Trace, verdict: str) -> AsyncIterator[bytes]:
+        state = attempt.stream
+        assert state is not None
+        inspect = self.mode is not GuardMode.OFF
+        released_clean = not attempt.verdict.degenerate
+        opened = time.perf_counter()
+        try:
+            if state.held:
+                yield b"".join(state.held)
+                state.held.clear()
+            if not state.ended():
+                async for forward in state.batches():
+                    if released_clean and inspect:
+                        late = state.inspector.partial_verdict()
+                        if late.kind is not None:
+                            released_clean = False
+                            verdict = "degenerate"
+                            cut = self._late_corruption(attempt, trace, late.kind)
+                            if cut is not None:
+                                yield cut
+                                return
+                    if forward:
+                        yield b"".join(forward)
+            if released_clean and inspect and state.done:
+                final = state.inspector.final_verdict()
+                if final.kind is not None:
+                    verdict = "degenerate"
+                    self._late_corruption(attempt, trace, final.kind, ended=True)
+        except GatewayError as exc:
+            verdict = "error"
+            yield sse_error_event(exc)
+        finally:
+            state.response.close()
+            relayed = time.perf_counter() - opened
+            attempt.upstream_s += relayed
+            trace.upstream_s += relayed
+            attempt.usage = state.usage
+            if state.upstream_error:
+                verdict = "error"
+            self._count_attempt(attempt, trace, degenerate=verdict == "degenerate")
+            self._finish(trace, attempt.backend, verdict)
+
+    def _late_corruption(
+        self, attempt: Attempt, trace: Trace, kind: DegenerateKind, *, ended: bool = False
+    ) -> bytes | None:
+        """A released stream degenerated: count it; with policy "cut", end it in-band."""
+        backend = attempt.backend.name
+        self.metrics.degenerate.labels(trace.model, backend, kind).inc()
+        if not ended and self.settings.guard.stream.after_release is AfterRelease.CUT:
+            assert attempt.stream is not None
+            attempt.stream.response.close()
+            self.metrics.stream_cut.labels(trace.model, backend).inc()
+            return sse_error_event(
+                DegenerateResponse(f"the answer degenerated ({kind}) after it was released")
+            )
+        self.metrics.degenerate_delivered.labels(trace.model, backend, kind).inc()
+        return None
+
+    # -- accounting ------------------------------------------------------------------
+
+    def _count_attempt(
+        self, attempt: Attempt, trace: Trace, degenerate: bool | None = None
+    ) -> None:
+        backend = attempt.backend.name
+        self.metrics.upstream_duration.labels(trace.model, backend).observe(attempt.upstream_s)
+        usage = attempt.usage
+        if usage is None:
+            return
+        label = (
+            "degenerate"
+            if (attempt.verdict.degenerate if degenerate is None else degenerate)
+            else "clean"
+        )
+        self.metrics.prompt_tokens.labels(trace.model, backend, label).inc(usage.prompt_tokens)
+        if usage.cached_tokens is None:
+            if backend not in self._tokens_unreported:
+                self._tokens_unreported.add(backend)
+                log.warning(
+                    "backend %s does not report cached_tokens; start vLLM with "
+                    "--enable-prompt-tokens-details to get prefix-cache hit metrics",
+                    backend,
+                )
+            return
+        self.metrics.cached_prompt_tokens.labels(trace.model, backend, label).inc(
+            usage.cached_tokens
+        )
+
+    def _finish(self, trace: Trace, backend: Backend, verdict: str) -> None:
+        request = trace.request
+        stream = "true" if request.stream else "false"
+        elapsed = time.perf_counter() - trace.started
+        m = self.metrics
+        m.requests.labels(trace.model, backend.name, request.endpoint, stream, verdict).inc()
+        m.attempts.labels(trace.model).observe(trace.attempts)
+        m.request_duration.labels(trace.model, request.endpoint, stream).observe(elapsed)
+        if not request.stream:
+            m.overhead.labels(request.endpoint, stream).observe(
+                max(0.0, elapsed - trace.upstream_s)
+            )

@@ -1,0 +1,191 @@
+"""Every metric the gateway exports, defined in one place, on an injected registry.
+
+Label values are bounded sets: models from configuration or the backends'
+``/v1/models`` (anything else is ``other``), configured backend names, and fixed
+enums. With ``--workers N`` the CLI sets ``PROMETHEUS_MULTIPROC_DIR`` before any
+worker starts, and ``render`` merges every worker's files, so totals add up.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+
+from gateway import __version__
+
+OTHER = "other"
+MAX_DISCOVERED_MODELS = 64
+
+#: From 100 µs (gateway overhead) to 20 minutes (long generations).
+DURATION_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0,
+)  # fmt: skip
+ATTEMPT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10)
+
+
+def multiprocess_enabled() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+class Metrics:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        *,
+        models: Iterable[str],
+        backends: Iterable[str],
+    ) -> None:
+        self.registry = registry
+        self.models = set(models)
+        self.backends = set(backends)
+        self._discovered: set[str] = set()
+        r = registry
+        self.requests = Counter(
+            "vllm_guard_requests",
+            "Client requests on guarded routes, by final verdict.",
+            ["model", "backend", "endpoint", "stream", "verdict"],
+            registry=r,
+        )
+        self.degenerate = Counter(
+            "vllm_guard_degenerate_responses",
+            "Degenerate attempts detected, by detector kind.",
+            ["model", "backend", "kind"],
+            registry=r,
+        )
+        self.degenerate_delivered = Counter(
+            "vllm_guard_degenerate_delivered",
+            "Degenerate answers that reached the client (observe mode, policy deliver, "
+            "or corruption after a stream was released).",
+            ["model", "backend", "kind"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "vllm_guard_retries",
+            "Attempts after the first, by reason (a detector kind or backend_error).",
+            ["model", "backend", "reason"],
+            registry=r,
+        )
+        self.budget_exhausted = Counter(
+            "vllm_guard_retry_budget_exhausted",
+            "Retries refused because the global retry budget was spent.",
+            ["model"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "vllm_guard_prompt_tokens",
+            "Prompt tokens of every attempt, by that attempt's verdict.",
+            ["model", "backend", "verdict"],
+            registry=r,
+        )
+        self.cached_prompt_tokens = Counter(
+            "vllm_guard_cached_prompt_tokens",
+            "Prompt tokens served from vLLM's prefix cache, by attempt verdict.",
+            ["model", "backend", "verdict"],
+            registry=r,
+        )
+        self.stream_cut = Counter(
+            "vllm_guard_stream_cut",
+            "Streams ended by the gateway because they degenerated after release.",
+            ["model", "backend"],
+            registry=r,
+        )
+        self.salt_reuse = Counter(
+            "vllm_guard_salt_reuse",
+            "Attempts sent with a remembered known-clean salt, by attempt kind.",
+            ["model", "attempt"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            "vllm_guard_request_duration_seconds",
+            "Time from request received to response complete.",
+            ["model", "endpoint", "stream"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.upstream_duration = Histogram(
+            "vllm_guard_upstream_duration_seconds",
+            "Duration of each upstream attempt.",
+            ["model", "backend"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "vllm_guard_time_to_first_token_seconds",
+            "Streams: time from request received to the first byte sent to the client.",
+            ["model", "backend"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "vllm_guard_overhead_seconds",
+            "Time spent in the gateway itself, excluding waits on the backend.",
+            ["endpoint", "stream"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.attempts = Histogram(
+            "vllm_guard_attempts",
+            "Upstream attempts per guarded request.",
+            ["model"],
+            buckets=ATTEMPT_BUCKETS,
+            registry=r,
+        )
+        self.backend_up = Gauge(
+            "vllm_guard_backend_up",
+            "1 when the backend answered its last health check.",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.backend_hit_ratio = Gauge(
+            "vllm_guard_backend_prefix_cache_hit_ratio",
+            "Backend prefix-cache hit ratio over the last scrape interval "
+            "(delta of vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total).",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.backend_info = Gauge(
+            "vllm_guard_backend_info",
+            "The backend's vLLM version (value is always 1).",
+            ["backend", "version"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.build_info = Gauge(
+            "vllm_guard_build_info",
+            "vllm-guard build (value is always 1).",
+            ["version"],
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.build_info.labels(__version__).set(1)
+
+    def model_label(self, model: str | None) -> str:
+        if model is not None and (model in self.models or model in self._discovered):
+            return model
+        return OTHER
+
+    def discover_models(self, names: Iterable[str]) -> None:
+        for name in names:
+            if len(self._discovered) >= MAX_DISCOVERED_MODELS:
+                return
+            self._discovered.add(name)
+
+    def render(self) -> tuple[bytes, str]:
+        if multiprocess_enabled():
+            merged = CollectorRegistry()
+            multiprocess.MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+            return generate_latest(merged), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,124 @@
+"""Retry policy state: the global retry budget and the per-conversation salt memory.
+
+Both are per process (per worker, per replica): see README, "State".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orjson
+
+from gateway.config import RetryBudgetSettings, SaltReuseSettings
+
+
+class RetryBudget:
+    """Retries allowed: ``ratio`` x requests in the window + ``min_per_second`` x window.
+
+    Counts live in one-second buckets, so both recording and checking are O(1)
+    amortised and memory is bounded by the window length.
+    """
+
+    def __init__(
+        self, settings: RetryBudgetSettings, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self._size = max(1, math.ceil(settings.window_s))
+        self._requests = [0] * self._size
+        self._retries = [0] * self._size
+        self._second = [0] * self._size
+
+    def _slot(self) -> int:
+        now = int(self.clock())
+        slot = now % self._size
+        if self._second[slot] != now:
+            self._second[slot] = now
+            self._requests[slot] = 0
+            self._retries[slot] = 0
+        return slot
+
+    def _window_sum(self, counts: list[int]) -> int:
+        oldest = int(self.clock()) - self._size + 1
+        return sum(c for c, s in zip(counts, self._second, strict=True) if s >= oldest)
+
+    def record_request(self) -> None:
+        self._requests[self._slot()] += 1
+
+    def try_spend(self) -> bool:
+        """Take one retry from the budget; False when it is spent."""
+        slot = self._slot()
+        allowed = (
+            self.settings.ratio * self._window_sum(self._requests)
+            + self.settings.min_per_second * self.settings.window_s
+        )
+        if self._window_sum(self._retries) + 1 > allowed:
+            return False
+        self._retries[slot] += 1
+        return True
+
+
+def conversation_key(
+    endpoint: str, body: Mapping[str, Any], client_salt: str | None, settings: SaltReuseSettings
+) -> str | None:
+    """A fingerprint of the leading part of a conversation, or None if there is none."""
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None
+        lead: object = messages[: settings.fingerprint_messages]
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            return None
+        lead = prompt[: settings.fingerprint_prompt_chars]
+    try:
+        encoded = orjson.dumps([endpoint, body.get("model"), client_salt, lead])
+    except TypeError:
+        return None
+    return hashlib.blake2b(encoded, digest_size=16).hexdigest()
+
+
+class SaltMemory:
+    """Bounded LRU with TTL: conversation fingerprint -> last salt that gave a clean answer."""
+
+    def __init__(
+        self, settings: SaltReuseSettings, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.settings = settings
+        self.clock = clock
+        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str | None) -> str | None:
+        if key is None:
+            return None
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        salt, expires = entry
+        if expires < self.clock():
+            del self._entries[key]
+            return None
+        self._entries.move_to_end(key)
+        return salt
+
+    def remember(self, key: str | None, salt: str) -> None:
+        if key is None:
+            return
+        self._entries[key] = (salt, self.clock() + self.settings.ttl_s)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.settings.max_entries:
+            self._entries.popitem(last=False)
+
+    def forget(self, key: str | None, salt: str) -> None:
+        """Corruption recurred under this salt: rotate it out."""
+        if key is not None and (entry := self._entries.get(key)) and entry[0] == salt:
+            del self._entries[key]

@@ -1,0 +1,128 @@
+"""Periodic scrape of each backend's own ``/metrics``, ``/version`` and ``/v1/models``.
+
+Exports ``vllm_guard_backend_up``, ``vllm_guard_backend_prefix_cache_hit_ratio``
+(from the deltas of vLLM's prefix-cache counters between two scrapes) and
+``vllm_guard_backend_info{version}``, and teaches the metrics which model names
+are real (the bounded label set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from gateway.config import UpstreamSettings
+from gateway.metrics import Metrics
+from gateway.upstream import Backend, BackendPool
+
+log = logging.getLogger(__name__)
+
+_SAMPLE = re.compile(
+    rb"^vllm:prefix_cache_(queries|hits)_total(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.MULTILINE
+)
+
+
+@dataclass(slots=True)
+class PrefixCacheCounters:
+    queries: float
+    hits: float
+
+
+def parse_prefix_cache(text: bytes) -> PrefixCacheCounters | None:
+    """Sum vLLM's prefix-cache counters over all label sets (engines, models)."""
+    totals = {b"queries": 0.0, b"hits": 0.0}
+    seen = False
+    for name, value in _SAMPLE.findall(text):
+        seen = True
+        with contextlib.suppress(ValueError):
+            totals[name] += float(value)
+    if not seen:
+        return None
+    return PrefixCacheCounters(totals[b"queries"], totals[b"hits"])
+
+
+def hit_ratio(previous: PrefixCacheCounters | None, current: PrefixCacheCounters) -> float | None:
+    if previous is None:
+        return None
+    queries = current.queries - previous.queries
+    if queries <= 0:  # no traffic, or the backend restarted (counters reset)
+        return None
+    return max(0.0, min(1.0, (current.hits - previous.hits) / queries))
+
+
+class BackendScraper:
+    def __init__(self, pool: BackendPool, metrics: Metrics, settings: UpstreamSettings) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.settings = settings
+        self._last: dict[str, PrefixCacheCounters] = {}
+        self._versions: dict[str, str] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def _get(self, backend: Backend, path: str) -> bytes | None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeouts.connect_s * 2)
+        try:
+            async with backend.session.get(backend.url + path, timeout=timeout) as response:
+                if response.status != 200:
+                    return None
+                return await response.read()
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return None
+
+    async def _scrape(self, backend: Backend) -> None:
+        self.metrics.backend_up.labels(backend.name).set(1 if backend.healthy else 0)
+        text = await self._get(backend, "/metrics")
+        if text is not None:
+            counters = parse_prefix_cache(text)
+            if counters is not None:
+                ratio = hit_ratio(self._last.get(backend.name), counters)
+                self._last[backend.name] = counters
+                if ratio is not None:
+                    self.metrics.backend_hit_ratio.labels(backend.name).set(ratio)
+        if backend.name not in self._versions:
+            await self._learn_identity(backend)
+
+    async def _learn_identity(self, backend: Backend) -> None:
+        version_body = await self._get(backend, "/version")
+        models_body = await self._get(backend, "/v1/models")
+        if models_body is not None:
+            with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
+                data = orjson.loads(models_body).get("data", [])
+                self.metrics.discover_models(
+                    m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
+                )
+        if version_body is not None:
+            with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
+                version = orjson.loads(version_body).get("version")
+                if isinstance(version, str) and len(version) <= 64:
+                    self._versions[backend.name] = version
+                    self.metrics.backend_info.labels(backend.name, version).set(1)
+
+    async def scrape_once(self) -> None:
+        await asyncio.gather(*(self._scrape(b) for b in self.pool.backends))
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.metrics_scrape_interval_s)
+            try:
+                await self.scrape_once()
+            except Exception:  # the scrape loop must never die
+                log.exception("backend scrape round failed")
+
+    def version_of(self, backend: str) -> str | None:
+        return self._versions.get(backend)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

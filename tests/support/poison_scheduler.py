@@ -1,0 +1,76 @@
+"""A test-only vLLM scheduler that reproduces the field corruption inside real vLLM.
+
+Start vLLM with ``--scheduler-cls poison_scheduler.PoisonScheduler`` (this folder
+on PYTHONPATH). A request whose prefill *hit the prefix cache* is "poisoned" when
+the hash of its last cached block falls under ``VG_POISON_RATE`` (0..1). Its
+sampled tokens are then rewritten, as the bug does:
+
+* ``bang``: every token becomes id 0, which decodes to ``!`` (NaN logits);
+* ``eos``: the first token becomes EOS, so the answer is empty with finish "stop".
+
+``VG_POISON_KINDS`` (``bang,eos`` by default) lists the kinds; the block hash picks
+one. Because the decision depends on the cached block's hash, the corruption
+rate tracks the hit rate, a request with a fresh ``cache_salt`` misses every
+poisoned block and comes back clean, and a poisoned chain stays poisoned for
+every request that reuses it: the field behaviour.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+log = logging.getLogger("vllm.poison_scheduler")
+
+_CLEAN = ""
+
+
+def _uniform(data: bytes) -> float:
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big") / 2**64
+
+
+class PoisonScheduler(AsyncScheduler):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.poison_rate = float(os.environ.get("VG_POISON_RATE", "0"))
+        self.poison_kinds = [
+            k for k in os.environ.get("VG_POISON_KINDS", "bang,eos").split(",") if k
+        ]
+        log.warning(
+            "PoisonScheduler active: rate=%s kinds=%s (TEST ONLY)",
+            self.poison_rate,
+            self.poison_kinds,
+        )
+
+    def _poison_kind(self, request: Any) -> str:
+        stats = request.prefill_stats
+        if stats is None or self.poison_rate <= 0:
+            return _CLEAN
+        cached = int(getattr(stats, "num_local_cached_tokens", 0) or 0)
+        block_size = int(self.block_size)
+        blocks = cached // block_size if block_size else 0
+        if blocks <= 0 or blocks > len(request.block_hashes):
+            return _CLEAN
+        block_hash = bytes(request.block_hashes[blocks - 1])
+        if _uniform(b"rate" + block_hash) >= self.poison_rate:
+            return _CLEAN
+        return self.poison_kinds[int(_uniform(b"kind" + block_hash) * len(self.poison_kinds))]
+
+    def _update_request_with_output(
+        self, request: Any, new_token_ids: list[int], is_stale: bool = False
+    ) -> tuple[list[int], bool]:
+        kind = getattr(request, "_vg_poison", None)
+        if kind is None:
+            kind = self._poison_kind(request)
+            request._vg_poison = kind
+        if kind == "bang":
+            new_token_ids = [0] * len(new_token_ids)
+        elif kind == "eos" and new_token_ids:
+            eos = request.sampling_params.eos_token_id
+            if eos is not None:
+                new_token_ids = [eos]
+        return super()._update_request_with_output(request, new_token_ids, is_stale)
