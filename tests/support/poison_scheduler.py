@@ -9,7 +9,8 @@ sampled tokens are then rewritten, as the bug does:
 * ``eos``: the first token becomes EOS, so the answer is empty with finish "stop".
 
 ``VG_POISON_KINDS`` (``bang,eos`` by default) lists the kinds; the block hash picks
-one. Because the decision depends on the cached block's hash, the corruption
+one. A request may override both with ``"vllm_xargs": {"vg_poison_rate": 0.5,
+"vg_poison_kinds": "bang"}``, so one test server serves clean and poisoned tests. Because the decision depends on the cached block's hash, the corruption
 rate tracks the hit rate, a request with a fresh ``cache_salt`` misses every
 poisoned block and comes back clean, and a poisoned chain stays poisoned for
 every request that reuses it: the field behaviour.
@@ -48,7 +49,11 @@ class PoisonScheduler(AsyncScheduler):
 
     def _poison_kind(self, request: Any) -> str:
         stats = request.prefill_stats
-        if stats is None or self.poison_rate <= 0:
+        extra = getattr(request.sampling_params, "extra_args", None) or {}
+        rate = float(extra.get("vg_poison_rate", self.poison_rate))
+        kinds = [k for k in str(extra.get("vg_poison_kinds", "")).split(",") if k]
+        kinds = kinds or self.poison_kinds
+        if stats is None or rate <= 0:
             return _CLEAN
         cached = int(getattr(stats, "num_local_cached_tokens", 0) or 0)
         block_size = int(self.block_size)
@@ -56,9 +61,9 @@ class PoisonScheduler(AsyncScheduler):
         if blocks <= 0 or blocks > len(request.block_hashes):
             return _CLEAN
         block_hash = bytes(request.block_hashes[blocks - 1])
-        if _uniform(b"rate" + block_hash) >= self.poison_rate:
+        if _uniform(b"rate" + block_hash) >= rate:
             return _CLEAN
-        return self.poison_kinds[int(_uniform(b"kind" + block_hash) * len(self.poison_kinds))]
+        return kinds[int(_uniform(b"kind" + block_hash) * len(kinds))]
 
     def _update_request_with_output(
         self, request: Any, new_token_ids: list[int], is_stale: bool = False

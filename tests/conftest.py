@@ -1,0 +1,103 @@
+"""Session fixtures: one real vLLM server per test session, gateways on real sockets.
+
+The vLLM server is started once (about a minute on 2 cores) by the
+``vllm_server`` fixture. Set ``VLLM_GUARD_TEST_VLLM_URL`` to reuse a server you
+started yourself with ``python tests/support/servers.py`` (it must run the
+poisoning scheduler, as that script does).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from support.servers import (  # noqa: E402
+    MODEL_NAME,
+    GatewayServer,
+    VLLMServer,
+    ensure_model,
+    gateway_settings,
+)
+
+ARTIFACTS = Path(os.environ.get("VLLM_GUARD_TEST_ARTIFACTS", "/tmp/vllm-guard-test"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    return ensure_model(ARTIFACTS / "tiny-model")
+
+
+class RunningVLLM:
+    def __init__(self, url: str, server: VLLMServer | None) -> None:
+        self.url = url
+        self.server = server
+        self.model = MODEL_NAME
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a vLLM metric's samples whose labels include ``labels``."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if not line.startswith(name):
+                continue
+            head, _, value = line.rpartition(" ")
+            metric_name = head.split("{", 1)[0]
+            if metric_name != name:
+                continue
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def reset_prefix_cache(self) -> None:
+        httpx.post(self.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+@pytest.fixture(scope="session")
+def vllm(tiny_model_dir: Path) -> Iterator[RunningVLLM]:
+    external = os.environ.get("VLLM_GUARD_TEST_VLLM_URL")
+    if external:
+        yield RunningVLLM(external.rstrip("/"), None)
+        return
+    server = VLLMServer(tiny_model_dir, ARTIFACTS / "vllm.log")
+    server.start()
+    try:
+        server.wait_ready()
+        yield RunningVLLM(server.url, server)
+    finally:
+        server.stop()
+
+
+GatewayFactory = Callable[..., GatewayServer]
+
+
+@pytest.fixture
+def gateway_for() -> Iterator[GatewayFactory]:
+    """Start gateways with given backends and settings sections; stopped after the test."""
+    started: list[GatewayServer] = []
+
+    def start(backends: list[str] | str, **sections: Any) -> GatewayServer:
+        server = GatewayServer(gateway_settings(backends, **sections)).__enter__()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.__exit__(None, None, None)
+
+
+@pytest.fixture
+def gateway(vllm: RunningVLLM, gateway_for: GatewayFactory) -> GatewayServer:
+    return gateway_for(vllm.url)
+
+
+def openai_client(base_url: str, **kwargs: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="test-key", max_retries=0, **kwargs)

@@ -1,0 +1,198 @@
+"""The foundation against a real vLLM: fidelity both ways, streaming, proxying,
+cache_salt passthrough, and client disconnect -> vLLM abort."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+import httpx
+import openai
+import pytest
+
+from conftest import GatewayFactory, RunningVLLM, openai_client
+from support.servers import GatewayServer
+from support.workload import long_prompt
+
+pytestmark = pytest.mark.vllm
+
+MESSAGES = [{"role": "user", "content": "click the submit button"}]
+
+
+def test_chat_non_streaming_matches_direct(vllm: RunningVLLM, gateway: GatewayServer) -> None:
+    direct = openai_client(vllm.url).chat.completions.create(
+        model=vllm.model, messages=MESSAGES, max_tokens=16, temperature=0
+    )
+    raw = openai_client(gateway.url).chat.completions.with_raw_response.create(
+        model=vllm.model, messages=MESSAGES, max_tokens=16, temperature=0,
+        extra_headers={"X-Request-Id": "req-fidelity-1"},
+    )  # fmt: skip
+    through = raw.parse()
+    assert through.choices[0].message.content == direct.choices[0].message.content
+    assert through.choices[0].finish_reason == direct.choices[0].finish_reason
+    assert raw.headers["x-vllm-guard-attempts"] == "1"
+    assert raw.headers["x-vllm-guard-verdict"] == "clean"
+    assert raw.headers["x-request-id"] == "req-fidelity-1"
+
+
+def test_request_id_generated_when_absent(gateway: GatewayServer, vllm: RunningVLLM) -> None:
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        json={"model": vllm.model, "messages": MESSAGES, "max_tokens": 2},
+        timeout=60,
+    )
+    assert response.status_code == 200
+    assert len(response.headers["x-request-id"]) >= 16
+
+
+def test_chat_streaming_matches_non_streaming(vllm: RunningVLLM, gateway: GatewayServer) -> None:
+    client = openai_client(gateway.url)
+    whole = client.chat.completions.create(
+        model=vllm.model, messages=MESSAGES, max_tokens=20, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=vllm.model, messages=MESSAGES, max_tokens=20, temperature=0, stream=True
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    # The gateway injected include_usage upstream; the client did not ask, so no usage chunk.
+    assert all(c.usage is None for c in chunks)
+    assert all(c.choices for c in chunks)
+
+
+def test_streaming_usage_kept_when_client_asks(vllm: RunningVLLM, gateway: GatewayServer) -> None:
+    chunks = list(
+        openai_client(gateway.url).chat.completions.create(
+            model=vllm.model, messages=MESSAGES, max_tokens=5, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+    )
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+
+
+def test_completions_both_ways(vllm: RunningVLLM, gateway: GatewayServer) -> None:
+    client = openai_client(gateway.url)
+    direct = openai_client(vllm.url).completions.create(
+        model=vllm.model, prompt="open the file menu", max_tokens=12, temperature=0
+    )
+    whole = client.completions.create(
+        model=vllm.model, prompt="open the file menu", max_tokens=12, temperature=0
+    )
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=vllm.model, prompt="open the file menu", max_tokens=12, temperature=0, stream=True
+        )
+        if c.choices
+    )
+    assert whole.choices[0].text == direct.choices[0].text == streamed
+
+
+def test_models_and_proxied_paths(vllm: RunningVLLM, gateway: GatewayServer) -> None:
+    models = openai_client(gateway.url).models.list()
+    assert [m.id for m in models.data] == [vllm.model]
+    via = httpx.post(gateway.url + "/tokenize", json={"model": vllm.model, "prompt": "tap the x"})
+    direct = httpx.post(vllm.url + "/tokenize", json={"model": vllm.model, "prompt": "tap the x"})
+    assert via.status_code == 200
+    assert via.json()["tokens"] == direct.json()["tokens"]
+    version = httpx.get(gateway.url + "/version")
+    assert version.json() == httpx.get(vllm.url + "/version").json()
+
+
+def test_unknown_fields_pass_both_ways(vllm: RunningVLLM, gateway: GatewayServer) -> None:
+    """return_token_ids is vLLM-only: the gateway does not know it, vLLM answers it."""
+    response = openai_client(gateway.url).chat.completions.create(
+        model=vllm.model, messages=MESSAGES, max_tokens=4, temperature=0,
+        extra_body={"return_token_ids": True, "some_future_field": {"nested": [1, 2]}},
+    )  # fmt: skip
+    extra = response.choices[0].model_extra or {}
+    assert isinstance(extra.get("token_ids"), list) and len(extra["token_ids"]) == 4
+
+
+def test_upstream_errors_pass_through(vllm: RunningVLLM, gateway: GatewayServer) -> None:
+    body = {"model": "no-such-model", "messages": MESSAGES}
+    direct = httpx.post(vllm.url + "/v1/chat/completions", json=body, timeout=30)
+    through = httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=30)
+    assert through.status_code == direct.status_code == 404
+    assert through.json() == direct.json()
+    with pytest.raises(openai.BadRequestError):
+        openai_client(gateway.url).chat.completions.create(
+            model=vllm.model, messages=MESSAGES, max_tokens=-3
+        )
+
+
+def test_cache_salt_passthrough(vllm: RunningVLLM, gateway: GatewayServer) -> None:
+    client = openai_client(gateway.url)
+    messages = [{"role": "user", "content": f"{uuid.uuid4()} {long_prompt(seed=11, words=400)}"}]
+    client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=2)
+    again = client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=2)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert (again.usage.prompt_tokens_details.cached_tokens or 0) > 0
+    salted = client.chat.completions.create(
+        model=vllm.model, messages=messages, max_tokens=2, extra_body={"cache_salt": "tenant-a"}
+    )
+    assert salted.usage is not None and salted.usage.prompt_tokens_details is not None
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def _wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+LONG_GENERATION = {"max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+
+
+def assert_aborted(vllm: RunningVLLM, generated_before: float) -> None:
+    """vLLM stopped generating long before max_tokens: the request was aborted.
+
+    (vLLM 0.32 does not count client aborts in request_success_total, so the proof
+    is the generation counter: without the abort it would grow by 1,500.)"""
+    assert _wait_for(lambda: vllm.metric("vllm:num_requests_running") == 0)
+    time.sleep(0.5)
+    generated = vllm.metric("vllm:generation_tokens_total") - generated_before
+    assert generated < 1000, f"vLLM generated {generated} tokens: the request was not aborted"
+
+
+def test_stream_disconnect_aborts_in_vllm(vllm: RunningVLLM, gateway: GatewayServer) -> None:
+    generated_before = vllm.metric("vllm:generation_tokens_total")
+    body = {"model": vllm.model, "messages": MESSAGES, "stream": True, **LONG_GENERATION}
+    with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_raw()):
+            if i >= 3:
+                break
+    assert_aborted(vllm, generated_before)
+
+
+def test_non_stream_disconnect_aborts_in_vllm(vllm: RunningVLLM, gateway: GatewayServer) -> None:
+    generated_before = vllm.metric("vllm:generation_tokens_total")
+    body = {"model": vllm.model, "messages": MESSAGES, **LONG_GENERATION}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=1.0)
+    assert_aborted(vllm, generated_before)
+
+
+def test_readyz_and_healthz(vllm: RunningVLLM, gateway: GatewayServer) -> None:
+    assert httpx.get(gateway.url + "/healthz").status_code == 200
+    ready = httpx.get(gateway.url + "/readyz")
+    assert ready.status_code == 200 and ready.json()["backends"] == {"vllm0": True}
+
+
+def test_dead_backend_gives_openai_errors(gateway_for: GatewayFactory) -> None:
+    gateway = gateway_for("http://127.0.0.1:9")  # nothing listens on the discard port
+    assert httpx.get(gateway.url + "/readyz").status_code == 503
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES}
+    )
+    assert response.status_code == 503
+    assert response.json()["error"]["type"] == "service_unavailable"

@@ -1,0 +1,220 @@
+"""Real servers for the tests: a tiny vLLM (CPU build), the gateway in a real uvicorn.
+
+``VLLMServer`` runs ``python -m vllm.entrypoints.openai.api_server`` from the vLLM
+virtualenv (tests/support/install_vllm.sh) with the test-only poisoning scheduler.
+``GatewayServer`` runs ``create_app(settings)`` in a uvicorn thread on a real
+socket, so streams, disconnects and mid-stream failures are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from gateway.app import create_app
+from gateway.config import Settings
+
+SUPPORT = Path(__file__).resolve().parent
+MODEL_NAME = "tiny"
+
+
+def vllm_python() -> Path:
+    override = os.environ.get("VLLM_GUARD_VLLM_PYTHON")
+    if override:
+        return Path(override)
+    venv = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache/vllm-guard/vllm-venv"))
+    return venv / "bin" / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def ensure_model(directory: Path) -> Path:
+    if not (directory / "model.safetensors").exists():
+        subprocess.run(
+            [str(vllm_python()), str(SUPPORT / "build_tiny_model.py"), str(directory)],
+            check=True,
+            capture_output=True,
+        )
+    return directory
+
+
+def wait_http(url: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode} before {url} answered")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer within {timeout_s}s")
+
+
+class VLLMServer:
+    def __init__(
+        self,
+        model_dir: Path,
+        log_path: Path,
+        *,
+        port: int | None = None,
+        poison_rate: float = 0.0,
+        extra_args: list[str] | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.model_dir = model_dir
+        self.log_path = log_path
+        self.port = port or free_port()
+        self.poison_rate = poison_rate
+        self.extra_args = extra_args or []
+        self.extra_env = extra_env or {}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir), "--served-model-name", MODEL_NAME,
+            "--dtype", "float32", "--max-model-len", "2048",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--scheduler-cls", "poison_scheduler.PoisonScheduler",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_SERVER_DEV_MODE": "1",
+            "VG_POISON_RATE": str(self.poison_rate),
+            "PYTHONPATH": str(SUPPORT),
+            **self.extra_env,
+        }
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def wait_ready(self, timeout_s: float = 420) -> None:
+        try:
+            wait_http(self.url + "/health", timeout_s, self.process)
+        except Exception as exc:
+            tail = self.log_path.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"vLLM did not start: {exc}\n--- log tail ---\n{tail}") from exc
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, 15)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, 9)
+            self.process.wait()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, 9)
+            self.process.wait()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+class GatewayServer:
+    """The gateway app in a real uvicorn on a real socket, in a background thread."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.port = free_port()
+        self.app = create_app(settings)
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            loop="asyncio",
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _run(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self.server.serve())
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def runtime(self) -> Any:
+        return self.app.state.runtime
+
+    def __enter__(self) -> GatewayServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("gateway did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+def gateway_settings(backend_urls: list[str] | str, **sections: Any) -> Settings:
+    urls = [backend_urls] if isinstance(backend_urls, str) else backend_urls
+    backends = sections.pop("backends", None) or [
+        {"name": f"vllm{i}", "url": url} for i, url in enumerate(urls)
+    ]
+    upstream = {"backends": backends, **sections.pop("upstream", {})}
+    return Settings.model_validate({"upstream": upstream, **sections})
+
+
+def main() -> None:  # python tests/support/servers.py: start the tiny vLLM by hand
+    port = int(sys.argv[1]) if len(sys.argv) > 1 else 8000
+    model = ensure_model(Path(os.environ.get("VLLM_GUARD_MODEL_DIR", "/tmp/vllm-guard-tiny-model")))
+    server = VLLMServer(model, Path("/tmp/vllm-guard-vllm.log"), port=port,
+                        poison_rate=float(os.environ.get("VG_POISON_RATE", "0")))  # fmt: skip
+    server.start()
+    print(f"starting vLLM on {server.url} (log: {server.log_path}) ...", flush=True)
+    server.wait_ready()
+    print(f"ready: {server.url}  (model name '{MODEL_NAME}'; Ctrl-C stops it)", flush=True)
+    try:
+        assert server.process is not None
+        server.process.wait()
+    except KeyboardInterrupt:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
