@@ -52,3 +52,88 @@ def episodes(count: int, seed: int = 0, system_words: int = 320) -> list[Episode
 def is_corrupt(text: str | None) -> bool:
     """What the test knows the poisoning scheduler produces: empty, or a run of '!'."""
     return not text or text.count("!") >= 8
+
+
+@dataclass
+class StepResult:
+    episode: int
+    step: int
+    text: str
+    attempts: int
+    verdict: str | None
+    prompt_tokens: int
+    cached_tokens: int | None
+    latency_s: float
+
+
+def _content_of_stream(chunks: list[Any]) -> tuple[str, Any]:
+    text = "".join((c.choices[0].delta.content or "") for c in chunks if c.choices)
+    usage = next((c.usage for c in reversed(chunks) if c.usage is not None), None)
+    return text, usage
+
+
+def run_episode(
+    client: Any,
+    model: str,
+    episode: Episode,
+    steps: int,
+    *,
+    stream: bool = False,
+    max_tokens: int = 24,
+    extra_body: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> list[StepResult]:
+    import time
+
+    rng = random.Random(seed * 1000 + episode.index)
+    results = []
+    for step in range(steps):
+        messages = episode.next_step(rng)
+        started = time.perf_counter()
+        kwargs: dict[str, Any] = {
+            "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "extra_body": extra_body or {},
+        }  # fmt: skip
+        if stream:
+            kwargs |= {"stream": True, "stream_options": {"include_usage": True}}
+        raw = client.chat.completions.with_raw_response.create(**kwargs)
+        parsed = raw.parse()
+        if stream:
+            text, usage = _content_of_stream(list(parsed))
+        else:
+            text, usage = parsed.choices[0].message.content or "", parsed.usage
+        details = getattr(usage, "prompt_tokens_details", None)
+        results.append(
+            StepResult(
+                episode=episode.index,
+                step=step,
+                text=text,
+                attempts=int(raw.headers.get("x-vllm-guard-attempts", "1")),
+                verdict=raw.headers.get("x-vllm-guard-verdict"),
+                prompt_tokens=usage.prompt_tokens if usage else 0,
+                cached_tokens=details.cached_tokens if details else None,
+                latency_s=time.perf_counter() - started,
+            )
+        )
+        episode.record_answer(text)
+    return results
+
+
+def run_workload(
+    client: Any,
+    model: str,
+    *,
+    episodes_count: int,
+    steps: int,
+    concurrency: int,
+    seed: int,
+    **kwargs: Any,
+) -> list[StepResult]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    eps = episodes(episodes_count, seed=seed)
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        futures = [
+            pool.submit(run_episode, client, model, ep, steps, seed=seed, **kwargs) for ep in eps
+        ]
+        return [r for f in futures for r in f.result()]

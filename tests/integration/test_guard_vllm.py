@@ -1,0 +1,194 @@
+"""Detection and salted retries against a real vLLM whose prefix cache is poisoned.
+
+The poisoning scheduler (tests/support/poison_scheduler.py) corrupts requests whose
+prefill hit a "poisoned" prefix-cache block, chosen from the block's hash. With
+``vg_poison_rate: 1.0`` every cache hit is poisoned, which makes single-request
+tests deterministic; the workload tests use a partial rate, like the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from conftest import GatewayFactory, RunningVLLM, openai_client
+from support.servers import GatewayServer
+from support.workload import is_corrupt, long_prompt, run_workload
+
+pytestmark = pytest.mark.vllm
+
+GENEROUS_BUDGET = {"guard": {"budget": {"ratio": 1.0, "min_per_second": 5.0}}}
+
+
+def poison(rate: float, kinds: str = "bang,eos") -> dict[str, Any]:
+    return {"vllm_xargs": {"vg_poison_rate": rate, "vg_poison_kinds": kinds}}
+
+
+def fresh_messages(words: int = 320) -> list[dict[str, str]]:
+    """A long prompt no other test has sent (so the first send is a cache miss)."""
+    return [{"role": "user", "content": f"{uuid.uuid4()} {long_prompt(seed=3, words=words)}"}]
+
+
+def warm(vllm: RunningVLLM, messages: list[dict[str, str]]) -> None:
+    openai_client(vllm.url).chat.completions.create(
+        model=vllm.model, messages=messages, max_tokens=1, temperature=0
+    )
+
+
+def clean_reference(vllm: RunningVLLM, messages: list[dict[str, str]], max_tokens: int) -> str:
+    """The prompt's true greedy answer: a fresh salt misses every cached block."""
+    answer = openai_client(vllm.url).chat.completions.create(
+        model=vllm.model, messages=messages, max_tokens=max_tokens, temperature=0,
+        extra_body={"cache_salt": f"ref-{uuid.uuid4().hex}"},
+    )  # fmt: skip
+    return answer.choices[0].message.content or ""
+
+
+@pytest.mark.parametrize("kind", ["bang", "eos"])
+def test_poisoned_cache_hit_is_recovered_with_a_salted_retry(
+    vllm: RunningVLLM, gateway_for: GatewayFactory, kind: str
+) -> None:
+    gateway = gateway_for(vllm.url, **GENEROUS_BUDGET)
+    messages = fresh_messages()
+    warm(vllm, messages)
+    direct = openai_client(vllm.url).chat.completions.create(
+        model=vllm.model, messages=messages, max_tokens=24, temperature=0,
+        extra_body=poison(1.0, kind),
+    )  # fmt: skip
+    assert is_corrupt(direct.choices[0].message.content), "the poisoning did not trigger"
+
+    raw = openai_client(gateway.url).chat.completions.with_raw_response.create(
+        model=vllm.model, messages=messages, max_tokens=24, temperature=0,
+        extra_body=poison(1.0, kind),
+    )  # fmt: skip
+    answer = raw.parse().choices[0].message.content
+    assert raw.headers["x-vllm-guard-attempts"] == "2"
+    assert raw.headers["x-vllm-guard-verdict"] == "recovered"
+    assert answer == clean_reference(vllm, messages, 24)  # this prompt's answer, byte for byte
+    assert not is_corrupt(answer)
+
+
+@pytest.mark.parametrize("kind", ["bang", "eos"])
+def test_poisoned_stream_is_replaced_before_the_first_byte(
+    vllm: RunningVLLM, gateway_for: GatewayFactory, kind: str
+) -> None:
+    gateway = gateway_for(vllm.url, **GENEROUS_BUDGET)
+    messages = fresh_messages()
+    warm(vllm, messages)
+    generated_before = vllm.metric("vllm:generation_tokens_total")
+    stream = openai_client(gateway.url).chat.completions.with_raw_response.create(
+        model=vllm.model, messages=messages, max_tokens=400, temperature=0, stream=True,
+        extra_body={**poison(1.0, kind), "ignore_eos": kind == "bang"},
+    )  # fmt: skip
+    assert stream.headers["x-vllm-guard-attempts"] == "2"
+    assert stream.headers["x-vllm-guard-verdict"] == "recovered"
+    chunks = list(stream.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"  # one well-formed stream
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
+    assert chunks[-1].choices[0].finish_reason is not None
+    assert not is_corrupt(text)
+    assert text == clean_reference(vllm, messages, 400)
+    if kind == "bang":
+        # The discarded attempt was closed after the hold-back window: vLLM aborted it
+        # instead of generating 400 '!' tokens.
+        generated = vllm.metric("vllm:generation_tokens_total") - generated_before
+        clean_tokens = 400 + 400  # the recovered stream and the reference
+        assert generated < clean_tokens + 200, generated
+
+
+def test_exhausted_policy_deliver_and_error(vllm: RunningVLLM, gateway_for: GatewayFactory) -> None:
+    messages = fresh_messages()
+    warm(vllm, messages)
+    body = {"model": vllm.model, "messages": messages, "max_tokens": 20, **poison(1.0, "bang")}
+    deliver = gateway_for(vllm.url, guard={"max_attempts": 1, "on_exhausted": "deliver"})
+    response = httpx.post(deliver.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 200
+    assert response.headers["x-vllm-guard-verdict"] == "degenerate"
+    assert is_corrupt(response.json()["choices"][0]["message"]["content"])
+
+    error = gateway_for(vllm.url, guard={"max_attempts": 1, "on_exhausted": "error"})
+    with pytest.raises(openai.APIStatusError) as info:
+        openai_client(error.url).chat.completions.create(
+            model=vllm.model, messages=messages, max_tokens=20, extra_body=poison(1.0, "bang")
+        )
+    assert info.value.status_code == 502
+    assert info.value.body["type"] == "degenerate_response"  # type: ignore[index]
+
+
+def test_observe_mode_counts_but_never_retries(
+    vllm: RunningVLLM, gateway_for: GatewayFactory
+) -> None:
+    gateway = gateway_for(vllm.url, guard={"mode": "observe"})
+    messages = fresh_messages()
+    warm(vllm, messages)
+    raw = openai_client(gateway.url).chat.completions.with_raw_response.create(
+        model=vllm.model, messages=messages, max_tokens=20, extra_body=poison(1.0, "bang")
+    )
+    assert raw.headers["x-vllm-guard-attempts"] == "1"
+    assert raw.headers["x-vllm-guard-verdict"] == "degenerate"
+    metrics = httpx.get(gateway.url + "/metrics").text
+    assert 'vllm_guard_degenerate_responses_total{backend="vllm0",kind="punct_run",model="tiny"} 1.0' in metrics
+
+
+def test_retry_salt_is_derived_from_the_client_salt(
+    vllm: RunningVLLM, gateway_for: GatewayFactory
+) -> None:
+    """Tenant isolation survives the retry: the retry salt is bound to the client's."""
+    gateway = gateway_for(vllm.url, **GENEROUS_BUDGET)
+    messages = fresh_messages()
+    client = openai_client(gateway.url)
+    tenant = {"cache_salt": "tenant-a", **poison(1.0, "bang")}
+    first = client.chat.completions.with_raw_response.create(
+        model=vllm.model, messages=messages, max_tokens=16, extra_body=tenant
+    )
+    assert first.headers["x-vllm-guard-attempts"] == "1"  # a miss under tenant-a's salt
+    second = client.chat.completions.with_raw_response.create(
+        model=vllm.model, messages=messages, max_tokens=16, extra_body=tenant
+    )
+    assert second.headers["x-vllm-guard-verdict"] == "recovered"
+    remembered = list(gateway.runtime.guard.salts._entries.values())
+    assert len(remembered) == 1
+    from gateway.salt import fresh_salt
+
+    tenant_part = fresh_salt("tenant-a").rsplit(".", 1)[0]
+    assert remembered[0][0].startswith(tenant_part + ".")
+    # Another tenant's identical conversation does not get tenant-a's salt.
+    other = client.chat.completions.with_raw_response.create(
+        model=vllm.model, messages=messages, max_tokens=16,
+        extra_body={"cache_salt": "tenant-b"},
+    )  # fmt: skip
+    other_usage = other.parse().usage
+    assert other_usage is not None and other_usage.prompt_tokens_details is not None
+    assert other_usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_agent_workload_direct_corrupt_gateway_clean(
+    vllm: RunningVLLM, gateway_for: GatewayFactory, stream: bool
+) -> None:
+    """The field workload: episodes sharing a growing prefix, temperature 0, c=8."""
+    gateway = gateway_for(vllm.url, **GENEROUS_BUDGET)
+    seed = int(time.time() * 1000) % 1_000_000
+    shape = {"episodes_count": 8, "steps": 4, "concurrency": 8, "max_tokens": 20}
+    direct = run_workload(
+        openai_client(vllm.url), vllm.model, seed=seed, stream=stream,
+        extra_body=poison(0.35), **shape,
+    )  # fmt: skip
+    guarded = run_workload(
+        openai_client(gateway.url), vllm.model, seed=seed + 1, stream=stream,
+        extra_body=poison(0.35), **shape,
+    )  # fmt: skip
+    direct_corrupt = sum(is_corrupt(r.text) for r in direct)
+    guarded_corrupt = sum(is_corrupt(r.text) for r in guarded)
+    assert direct_corrupt > 0, "the poisoned workload produced no corruption direct"
+    assert guarded_corrupt == 0
+    assert any(r.verdict == "recovered" for r in guarded)
+    assert all(r.verdict in ("clean", "recovered") for r in guarded)
+    # Corruption needs a cache hit: every corrupt direct answer had cached tokens.
+    assert all((r.cached_tokens or 0) > 0 for r in direct if is_corrupt(r.text))
