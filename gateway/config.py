@@ -291,6 +291,8 @@ def load_settings(
         file_data = loaded
     init = _deep_merge({}, overrides or {})
     try:
-        return _settings_class(file_data)(**init)
+        loaded = _settings_class(file_data)(**init)
+        # A plain Settings (not the per-call loader subclass), so settings compare equal.
+        return Settings.model_validate(loaded.model_dump())
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None

@@ -29,6 +29,7 @@ from gateway.errors import (
     BackendUnreachable,
     DegenerateResponse,
     GatewayError,
+    NoHealthyBackend,
     UpstreamProtocolError,
     UpstreamTimeout,
     sse_error_event,
@@ -232,14 +233,13 @@ class Guard:
             try:
                 attempt = await self._attempt(request, backend, salt, headers, trace)
             except (BackendUnreachable, UpstreamTimeout) as exc:
-                if not self._may_retry(trace):
+                failover = self._failover_backend(backend, trace)
+                if failover is None:
                     self._finish(trace, backend, "error")
                     raise
                 log.warning("attempt %d failed (%s); failing over", trace.attempts, exc.code)
                 self.metrics.retries.labels(trace.model, backend.name, "backend_error").inc()
-                backend = self.pool.choose_retry(
-                    backend, settings.retry_target, self.rng, failover=True
-                )
+                backend = failover
                 continue
             except GatewayError:
                 self._finish(trace, backend, "error")
@@ -263,6 +263,16 @@ class Guard:
             backend = self.pool.choose_retry(
                 backend, settings.retry_target, self.rng, failover=False
             )
+
+    def _failover_backend(self, failed: Backend, trace: Trace) -> Backend | None:
+        """Another backend for an attempt that sent nothing, if one exists and retries remain."""
+        try:
+            other = self.pool.choose_retry(
+                failed, self.settings.guard.retry_target, self.rng, failover=True
+            )
+        except NoHealthyBackend:
+            return None
+        return other if other is not failed and self._may_retry(trace) else None
 
     def _may_retry(self, trace: Trace) -> bool:
         if trace.attempts >= self.settings.guard.max_attempts:

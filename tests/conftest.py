@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from support.servers import (  # noqa: E402
+from support.servers import (
     MODEL_NAME,
     GatewayServer,
     VLLMServer,

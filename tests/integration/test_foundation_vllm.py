@@ -10,7 +10,6 @@ from collections.abc import Callable
 import httpx
 import openai
 import pytest
-
 from conftest import GatewayFactory, RunningVLLM, openai_client
 from support.servers import GatewayServer
 from support.workload import long_prompt
@@ -67,12 +66,17 @@ def test_chat_streaming_matches_non_streaming(vllm: RunningVLLM, gateway: Gatewa
 def test_streaming_usage_kept_when_client_asks(vllm: RunningVLLM, gateway: GatewayServer) -> None:
     chunks = list(
         openai_client(gateway.url).chat.completions.create(
-            model=vllm.model, messages=MESSAGES, max_tokens=5, temperature=0, stream=True,
+            model=vllm.model,
+            messages=MESSAGES,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
-        )  # fmt: skip
+        )
     )
     assert chunks[-1].choices == []
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 5
 
 
 def test_completions_both_ways(vllm: RunningVLLM, gateway: GatewayServer) -> None:
@@ -111,7 +115,8 @@ def test_unknown_fields_pass_both_ways(vllm: RunningVLLM, gateway: GatewayServer
         extra_body={"return_token_ids": True, "some_future_field": {"nested": [1, 2]}},
     )  # fmt: skip
     extra = response.choices[0].model_extra or {}
-    assert isinstance(extra.get("token_ids"), list) and len(extra["token_ids"]) == 4
+    assert isinstance(extra.get("token_ids"), list)
+    assert len(extra["token_ids"]) == 4
 
 
 def test_upstream_errors_pass_through(vllm: RunningVLLM, gateway: GatewayServer) -> None:
@@ -131,12 +136,14 @@ def test_cache_salt_passthrough(vllm: RunningVLLM, gateway: GatewayServer) -> No
     messages = [{"role": "user", "content": f"{uuid.uuid4()} {long_prompt(seed=11, words=400)}"}]
     client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=2)
     again = client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=2)
-    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage is not None
+    assert again.usage.prompt_tokens_details is not None
     assert (again.usage.prompt_tokens_details.cached_tokens or 0) > 0
     salted = client.chat.completions.create(
         model=vllm.model, messages=messages, max_tokens=2, extra_body={"cache_salt": "tenant-a"}
     )
-    assert salted.usage is not None and salted.usage.prompt_tokens_details is not None
+    assert salted.usage is not None
+    assert salted.usage.prompt_tokens_details is not None
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
 
 
@@ -185,7 +192,8 @@ def test_non_stream_disconnect_aborts_in_vllm(vllm: RunningVLLM, gateway: Gatewa
 def test_readyz_and_healthz(vllm: RunningVLLM, gateway: GatewayServer) -> None:
     assert httpx.get(gateway.url + "/healthz").status_code == 200
     ready = httpx.get(gateway.url + "/readyz")
-    assert ready.status_code == 200 and ready.json()["backends"] == {"vllm0": True}
+    assert ready.status_code == 200
+    assert ready.json()["backends"] == {"vllm0": True}
 
 
 def test_dead_backend_gives_openai_errors(gateway_for: GatewayFactory) -> None:

@@ -15,9 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
 from conftest import GatewayFactory, RunningVLLM, openai_client
-from support.servers import GatewayServer
 from support.workload import is_corrupt, long_prompt, run_workload
 
 pytestmark = pytest.mark.vllm
@@ -133,7 +131,10 @@ def test_observe_mode_counts_but_never_retries(
     assert raw.headers["x-vllm-guard-attempts"] == "1"
     assert raw.headers["x-vllm-guard-verdict"] == "degenerate"
     metrics = httpx.get(gateway.url + "/metrics").text
-    assert 'vllm_guard_degenerate_responses_total{backend="vllm0",kind="punct_run",model="tiny"} 1.0' in metrics
+    assert (
+        'vllm_guard_degenerate_responses_total{backend="vllm0",kind="punct_run",model="tiny"} 1.0'
+        in metrics
+    )
 
 
 def test_retry_salt_is_derived_from_the_client_salt(
@@ -164,7 +165,8 @@ def test_retry_salt_is_derived_from_the_client_salt(
         extra_body={"cache_salt": "tenant-b"},
     )  # fmt: skip
     other_usage = other.parse().usage
-    assert other_usage is not None and other_usage.prompt_tokens_details is not None
+    assert other_usage is not None
+    assert other_usage.prompt_tokens_details is not None
     assert other_usage.prompt_tokens_details.cached_tokens == 0
 
 

@@ -20,15 +20,114 @@ import random
 import sys
 from pathlib import Path
 
-WORDS = (
-    "click tap type scroll open close button window menu file edit view help search "
-    "settings profile account login logout submit cancel save delete next back home "
-    "the a an of to in on at for with from by and or not is are was were be this that "
-    "screen image page link field form list item table row column value name date time "
-    "user agent task step goal done result error ok yes no true false null left right "
-    "top bottom center x y width height first second third action select drag drop "
-    "scroll_down scroll_up wait press enter escape tab shift ctrl alt key text input"
-).split()
+WORDS = [
+    "click",
+    "tap",
+    "type",
+    "scroll",
+    "open",
+    "close",
+    "button",
+    "window",
+    "menu",
+    "file",
+    "edit",
+    "view",
+    "help",
+    "search",
+    "settings",
+    "profile",
+    "account",
+    "login",
+    "logout",
+    "submit",
+    "cancel",
+    "save",
+    "delete",
+    "next",
+    "back",
+    "home",
+    "the",
+    "a",
+    "an",
+    "of",
+    "to",
+    "in",
+    "on",
+    "at",
+    "for",
+    "with",
+    "from",
+    "by",
+    "and",
+    "or",
+    "not",
+    "is",
+    "are",
+    "was",
+    "were",
+    "be",
+    "this",
+    "that",
+    "screen",
+    "image",
+    "page",
+    "link",
+    "field",
+    "form",
+    "list",
+    "item",
+    "table",
+    "row",
+    "column",
+    "value",
+    "name",
+    "date",
+    "time",
+    "user",
+    "agent",
+    "task",
+    "step",
+    "goal",
+    "done",
+    "result",
+    "error",
+    "ok",
+    "yes",
+    "no",
+    "true",
+    "false",
+    "null",
+    "left",
+    "right",
+    "top",
+    "bottom",
+    "center",
+    "x",
+    "y",
+    "width",
+    "height",
+    "first",
+    "second",
+    "third",
+    "action",
+    "select",
+    "drag",
+    "drop",
+    "scroll_down",
+    "scroll_up",
+    "wait",
+    "press",
+    "enter",
+    "escape",
+    "tab",
+    "shift",
+    "ctrl",
+    "alt",
+    "key",
+    "text",
+    "input",
+]
 SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n"
@@ -46,7 +145,7 @@ def corpus(rng: random.Random, lines: int = 4000) -> list[str]:
         if rng.random() < 0.3:
             words.append(f"({rng.randint(0, 1920)}, {rng.randint(0, 1080)})")
         if rng.random() < 0.2:
-            words.append('{"action": "%s", "x": %d}' % (rng.choice(WORDS), rng.randint(0, 999)))
+            words.append(json.dumps({"action": rng.choice(WORDS), "x": rng.randint(0, 999)}))
         out.append(" ".join(words) + rng.choice([".", "!", "?", ",", ";", ":"]))
     return out
 
@@ -103,7 +202,10 @@ def build_weights(out: Path, vocab: int, eos_id: int, config: dict[str, int | fl
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * 0.2
 
-    tensors = {"model.embed_tokens.weight": rand(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
+    tensors = {
+        "model.embed_tokens.weight": rand(vocab, hidden),
+        "model.norm.weight": torch.ones(hidden),
+    }
     for layer in range(int(config["num_hidden_layers"])):
         p = f"model.layers.{layer}."
         tensors |= {

@@ -94,7 +94,8 @@ def test_inspect_body_reads_chat_and_completions() -> None:
         ]
     }
     verdict = DETECTOR.inspect_body(completion)
-    assert verdict.kind == DegenerateKind.EMPTY and verdict.choice_index == 1
+    assert verdict.kind == DegenerateKind.EMPTY
+    assert verdict.choice_index == 1
     assert not DETECTOR.inspect_body({"object": "list"}).degenerate
 
 

@@ -80,7 +80,8 @@ def test_unterminated_tail_is_returned_on_close() -> None:
     parser = SSEParser()
     assert list(parser.feed(b"data: [DONE]")) == []
     tail = parser.close()
-    assert tail is not None and tail.data == b"[DONE]"
+    assert tail is not None
+    assert tail.data == b"[DONE]"
 
 
 # -- request parsing -------------------------------------------------------------------
@@ -122,7 +123,9 @@ def test_client_salts_follow_vllms_rule(salt: object, message: str) -> None:
 
 def test_null_salt_and_null_stream_are_accepted() -> None:
     request = parse_guarded("chat", b'{"cache_salt": null, "stream": null, "n": null}')
-    assert request.client_salt is None and request.stream is False and request.n == 1
+    assert request.client_salt is None
+    assert request.stream is False
+    assert request.n == 1
 
 
 def test_first_attempt_sends_the_clients_bytes() -> None:
@@ -163,8 +166,10 @@ def test_fresh_salts_are_valid_fresh_and_tenant_bound(client: str | None) -> Non
     if client is not None and salt_problem(client) is not None:
         return
     a, b = fresh_salt(client), fresh_salt(client)
-    assert salt_problem(a) is None and salt_problem(b) is None
-    assert a != b and a != client
+    assert salt_problem(a) is None
+    assert salt_problem(b) is None
+    assert a != b
+    assert a != client
     if client is not None:
         assert a.rsplit(".", 1)[0] == b.rsplit(".", 1)[0]  # same tenant part
         assert fresh_salt(client + "x").rsplit(".", 1)[0] != a.rsplit(".", 1)[0]
@@ -199,7 +204,8 @@ def test_salt_memory_lru_ttl_and_rotation() -> None:
     memory.remember("b", "s2")
     assert memory.get("a") == "s1"
     memory.remember("c", "s3")  # evicts b (least recently used)
-    assert memory.get("b") is None and memory.get("a") == "s1"
+    assert memory.get("b") is None
+    assert memory.get("a") == "s1"
     memory.forget("a", "other")
     assert memory.get("a") == "s1"
     memory.forget("a", "s1")
@@ -210,7 +216,10 @@ def test_salt_memory_lru_ttl_and_rotation() -> None:
 
 def test_conversation_key_uses_leading_messages_and_client_salt() -> None:
     cfg = SaltReuseSettings(fingerprint_messages=2)
-    base = {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
+    base = {
+        "model": "m",
+        "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+    }
     longer = {**base, "messages": [*base["messages"], {"role": "assistant", "content": "a"}]}
     assert conversation_key("chat", base, None, cfg) == conversation_key("chat", longer, None, cfg)
     assert conversation_key("chat", base, None, cfg) != conversation_key("chat", base, "t", cfg)

@@ -1,0 +1,49 @@
+# vllm-guard — `make run` sets up and runs the gateway; `make test` runs every check.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+VLLM_VENV ?= $(HOME)/.cache/vllm-guard/vllm-venv
+CONFIG ?= config/vllm-guard.yaml
+export VLLM_VENV
+
+.PHONY: setup run test lint unit vllm prometheus tiny-vllm bench clean
+
+$(BIN)/vllm-guard: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $@
+
+setup: $(BIN)/vllm-guard
+
+run: setup ## set up and run the gateway (backend from config, default http://127.0.0.1:8000)
+	$(BIN)/vllm-guard serve --config $(CONFIG)
+
+vllm: ## install the vLLM CPU build into its own virtualenv (idempotent)
+	bash tests/support/install_vllm.sh
+
+prometheus: ## the real Prometheus + promtool (Debian package) used by the tests
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+	@systemctl stop prometheus 2>/dev/null || true
+
+lint: setup
+	$(BIN)/ruff check gateway tests
+	$(BIN)/ruff format --check gateway tests
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/pytest tests/unit -q
+
+test: setup vllm prometheus lint ## everything: lint, unit, and integration against real vLLM + Prometheus
+	$(BIN)/pytest -q
+
+tiny-vllm: vllm setup ## start the tiny local vLLM the tests use, on port 8000, to try the gateway by hand
+	$(BIN)/python tests/support/servers.py 8000
+
+bench: setup vllm
+	$(BIN)/python tests/perf/bench_gateway.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

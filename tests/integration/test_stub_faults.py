@@ -1,0 +1,158 @@
+"""Faults only a scripted backend produces on demand: garbage SSE, drops, late corruption,
+upstream 503, a backend that never answers, bad bodies and limits."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import orjson
+import pytest
+from conftest import GatewayFactory
+from support.stub_backend import StubBackend
+
+BODY = {"model": "stub", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def stub() -> Iterator[StubBackend]:
+    with StubBackend() as backend:
+        yield backend
+
+
+def stream_events(url: str, scenario: str, **body: object) -> tuple[httpx.Response, list[bytes]]:
+    with httpx.stream(
+        "POST", url + "/v1/chat/completions", json={**BODY, "stream": True, **body},
+        headers={"x-stub-scenario": scenario}, timeout=30,
+    ) as response:  # fmt: skip
+        data = response.read()
+    events = [e[len(b"data: ") :] for e in data.split(b"\n\n") if e.startswith(b"data: ")]
+    return response, events
+
+
+def error_of(event: bytes) -> dict[str, object]:
+    error: dict[str, object] = orjson.loads(event)["error"]
+    return error
+
+
+def test_garbage_sse_before_release_is_a_502(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    gateway = gateway_for(stub.url)
+    response, _ = stream_events(gateway.url, "sse-garbage")
+    assert response.status_code == 502
+    assert orjson.loads(response.read())["error"]["code"] == "upstream_protocol_error"
+
+
+def test_garbage_sse_after_release_ends_with_inband_error(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    gateway = gateway_for(stub.url, guard={"stream": {"holdback_chars": 0}})
+    response, events = stream_events(gateway.url, "sse-garbage")
+    assert response.status_code == 200
+    assert error_of(events[-2])["code"] == "upstream_protocol_error"
+    assert events[-1] == b"[DONE]"
+
+
+def test_mid_stream_drop_ends_with_inband_error(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    gateway = gateway_for(stub.url, guard={"stream": {"holdback_chars": 8}})
+    response, events = stream_events(gateway.url, "sse-drop")
+    assert response.status_code == 200
+    assert b"button" in b"".join(events)  # released before the drop
+    assert error_of(events[-2])["type"] == "upstream_error"
+    assert events[-1] == b"[DONE]"
+
+
+@pytest.mark.parametrize("policy", ["pass", "cut"])
+def test_corruption_after_release(
+    stub: StubBackend, gateway_for: GatewayFactory, policy: str
+) -> None:
+    gateway = gateway_for(
+        stub.url, guard={"stream": {"holdback_chars": 8, "after_release": policy}}
+    )
+    response, events = stream_events(gateway.url, "late-bang")
+    assert response.status_code == 200
+    assert response.headers["x-vllm-guard-verdict"] == "clean"  # what was known at release
+    metrics = httpx.get(gateway.url + "/metrics").text
+    assert (
+        'vllm_guard_degenerate_responses_total{backend="vllm0",kind="punct_run",model="other"} 1.0'
+        in metrics
+    )
+    assert 'verdict="degenerate"} 1.0' in metrics
+    if policy == "cut":
+        assert error_of(events[-2])["type"] == "degenerate_response"
+        assert events[-1] == b"[DONE]"
+        assert 'vllm_guard_stream_cut_total{backend="vllm0",model="other"} 1.0' in metrics
+    else:
+        assert events[-1] == b"[DONE]"
+        assert sum(e.count(b'"!"') for e in events) == 30
+        assert "vllm_guard_degenerate_delivered_total{" in metrics
+
+
+def test_upstream_503_passes_through(stub: StubBackend, gateway_for: GatewayFactory) -> None:
+    gateway = gateway_for(stub.url)
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions", json=BODY, headers={"x-stub-scenario": "503"}
+    )
+    assert response.status_code == 503
+    assert response.json()["error"]["message"] == "overloaded"
+
+
+def test_backend_that_never_answers_is_a_504(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    gateway = gateway_for(stub.url, upstream={"timeouts": {"read_s": 0.5}})
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions", json=BODY, headers={"x-stub-scenario": "hang"},
+        timeout=10,
+    )  # fmt: skip
+    assert response.status_code == 504
+    assert response.json()["error"]["type"] == "timeout"
+
+
+def test_non_json_success_body_is_relayed_unjudged(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    gateway = gateway_for(stub.url)
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions", json=BODY, headers={"x-stub-scenario": "not-json"}
+    )
+    assert response.status_code == 200
+    assert response.text == "<html>oops</html>"
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "fragment"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1,2,3]", 400, "JSON object"),
+        (b'{"stream": 1}', 400, "'stream'"),
+        (b'{"cache_salt": "a/b"}', 400, "must not contain"),
+        (b"\xc3\x28", 400, "not valid JSON"),
+        (b"[" * 5000 + b"]" * 5000, 400, "not valid JSON"),
+    ],
+)
+def test_bad_bodies_get_openai_errors_before_any_upstream_call(
+    stub: StubBackend, gateway_for: GatewayFactory, content: bytes, status: int, fragment: str
+) -> None:
+    gateway = gateway_for(stub.url)
+    response = httpx.post(gateway.url + "/v1/chat/completions", content=content)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert fragment in error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert stub.state.requests == []
+
+
+def test_oversized_body_is_413(stub: StubBackend, gateway_for: GatewayFactory) -> None:
+    gateway = gateway_for(stub.url, server={"max_body_bytes": 4096})
+    response = httpx.post(gateway.url + "/v1/chat/completions", content=b"{" + b" " * 5000 + b"}")
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "payload_too_large"
+    chunked = httpx.post(
+        gateway.url + "/v1/chat/completions", content=iter([b"{", b" " * 5000, b"}"])
+    )
+    assert chunked.status_code == 413
+    assert stub.state.requests == []

@@ -1,0 +1,136 @@
+"""A scripted backend for what a real vLLM cannot produce on demand.
+
+The scenario is chosen per request with the ``x-stub-scenario`` header (the
+gateway forwards request headers). Everything else about the real behaviour is
+tested against real vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import orjson
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from support.servers import free_port
+
+
+def chunk(content: str | None = None, finish: str | None = None, role: bool = False) -> bytes:
+    delta: dict[str, str] = {}
+    if role:
+        delta["role"] = "assistant"
+    if content is not None:
+        delta["content"] = content
+    payload = {
+        "id": "chatcmpl-stub", "object": "chat.completion.chunk", "model": "stub",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }  # fmt: skip
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+CLEAN_WORDS = ["The ", "button ", "is ", "at ", "the ", "top ", "right ", "of ", "the ", "page. "]
+
+
+class StubState:
+    def __init__(self) -> None:
+        self.requests: list[dict[str, object]] = []
+        self.open_streams = 0
+
+
+def build_app(state: StubState) -> Starlette:
+    async def scenario_stream(scenario: str) -> AsyncIterator[bytes]:
+        state.open_streams += 1
+        try:
+            yield chunk("", role=True)
+            if scenario == "sse-garbage":
+                yield b"data: {this is not json\n\n"
+                return
+            for word in CLEAN_WORDS:
+                yield chunk(word)
+                await asyncio.sleep(0.005)
+            if scenario == "sse-drop":
+                raise ConnectionResetError("stub drops the connection mid-stream")
+            if scenario == "late-bang":
+                for _ in range(30):
+                    yield chunk("!")
+            if scenario == "slow-stream":
+                for _ in range(200):
+                    yield chunk("tick ")
+                    await asyncio.sleep(0.05)
+            yield chunk(finish="stop")
+            yield b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":10}}\n\n'
+            yield DONE
+        finally:
+            state.open_streams -= 1
+
+    async def completions(request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        state.requests.append(body)
+        scenario = request.headers.get("x-stub-scenario", "clean")
+        if scenario == "503":
+            return JSONResponse(
+                {"error": {"message": "overloaded", "type": "ServiceUnavailable", "param": None,
+                           "code": 503}},
+                status_code=503,
+            )  # fmt: skip
+        if scenario == "hang":
+            await asyncio.sleep(3600)
+        if scenario == "not-json":
+            return Response(b"<html>oops</html>", media_type="text/html")
+        if body.get("stream"):
+            return StreamingResponse(scenario_stream(scenario), media_type="text/event-stream")
+        return JSONResponse(
+            {
+                "id": "cmpl-stub", "object": "chat.completion", "model": "stub",
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": "".join(CLEAN_WORDS)}}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15},
+            }
+        )  # fmt: skip
+
+    async def health(request: Request) -> Response:
+        return Response(b"")
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/health", health),
+        ]
+    )
+
+
+class StubBackend:
+    def __init__(self) -> None:
+        self.state = StubState()
+        self.port = free_port()
+        config = uvicorn.Config(
+            build_app(self.state), host="127.0.0.1", port=self.port, log_level="error",
+            loop="asyncio", timeout_graceful_shutdown=1,
+        )  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> StubBackend:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("stub backend did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
