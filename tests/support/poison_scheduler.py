@@ -12,7 +12,8 @@ sampled tokens are then rewritten, as the bug does:
 one. A request may override both with ``"vllm_xargs": {"vg_poison_rate": 0.5,
 "vg_poison_kinds": "bang"}``, so one test server serves clean and poisoned tests.
 Because the decision depends on the cached block's hash, the corruption rate
-tracks the hit rate, a request with a fresh ``cache_salt`` misses every poisoned block and comes back clean, and a poisoned chain stays poisoned for
+tracks the hit rate, a request with a fresh ``cache_salt`` misses every
+poisoned block and comes back clean, and a poisoned chain stays poisoned for
 every request that reuses it: the field behaviour.
 """
 
