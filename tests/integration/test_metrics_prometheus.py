@@ -12,7 +12,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import ARTIFACTS, GatewayFactory, RunningVLLM, openai_client
 from support.prometheus import PrometheusServer
 from support.servers import free_port, wait_http
@@ -71,12 +70,15 @@ def test_promql_matches_what_the_test_sent_and_saw(
             'sum(vllm_guard_cached_prompt_tokens_total{verdict="degenerate"})'
             ' / sum(vllm_guard_prompt_tokens_total{verdict="degenerate"})'
         )
-        assert degenerate_hit_rate is not None and degenerate_hit_rate > 0.5
+        assert degenerate_hit_rate is not None
+        assert degenerate_hit_rate > 0.5
         assert prom.scalar('vllm_guard_backend_up{backend="vllm0"}') == 1
         ratio = prom.scalar('vllm_guard_backend_prefix_cache_hit_ratio{backend="vllm0"}')
-        assert ratio is not None and 0 <= ratio <= 1
+        assert ratio is not None
+        assert 0 <= ratio <= 1
         version = prom.query('vllm_guard_backend_info{backend="vllm0"}')
-        assert version and version[0]["metric"]["version"].startswith("0.")
+        assert version
+        assert version[0]["metric"]["version"].startswith("0.")
         assert prom.scalar("vllm_guard_build_info") == 1
         assert prom.scalar('sum(vllm_guard_attempts_count{model="tiny"})') == sent
         assert prom.scalar("sum(vllm_guard_overhead_seconds_count)") == sent
