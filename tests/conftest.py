@@ -84,8 +84,8 @@ def gateway_for() -> Iterator[GatewayFactory]:
     """Start gateways with given backends and settings sections; stopped after the test."""
     started: list[GatewayServer] = []
 
-    def start(backends: list[str] | str, **sections: Any) -> GatewayServer:
-        server = GatewayServer(gateway_settings(backends, **sections)).__enter__()
+    def start(backend_urls: list[str] | str, **sections: Any) -> GatewayServer:
+        server = GatewayServer(gateway_settings(backend_urls, **sections)).__enter__()
         started.append(server)
         return server
 

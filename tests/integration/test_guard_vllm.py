@@ -201,11 +201,11 @@ def test_agent_workload_direct_corrupt_gateway_clean(
     shape = {"episodes_count": 8, "steps": 4, "concurrency": 8, "max_tokens": 20}
     direct = run_workload(
         openai_client(vllm.url), vllm.model, seed=seed, stream=stream,
-        extra_body=poison(0.35), **shape,
+        extra_body=poison(0.15), **shape,
     )  # fmt: skip
     guarded = run_workload(
         openai_client(gateway.url), vllm.model, seed=seed + 1, stream=stream,
-        extra_body=poison(0.35), **shape,
+        extra_body=poison(0.15), **shape,
     )  # fmt: skip
     direct_corrupt = sum(is_corrupt(r.text) for r in direct)
     guarded_corrupt = sum(is_corrupt(r.text) for r in guarded)

@@ -19,7 +19,7 @@ from support.workload import run_workload
 
 pytestmark = pytest.mark.vllm
 
-POISON = {"vllm_xargs": {"vg_poison_rate": 0.4}}
+POISON = {"vllm_xargs": {"vg_poison_rate": 0.15}}
 
 
 def test_promql_matches_what_the_test_sent_and_saw(

@@ -48,6 +48,7 @@ from support.workload import is_corrupt, run_workload  # noqa: E402
 from gateway.config import DetectorSettings  # noqa: E402
 from gateway.detect import Detector  # noqa: E402
 
+POISON_RATE = 0.1
 ARTIFACTS = Path(os.environ.get("VLLM_GUARD_BENCH_ARTIFACTS", "/tmp/vllm-guard-bench"))
 
 
@@ -226,9 +227,13 @@ def workload_section(vllm_url: str, quick: bool) -> list[str]:
         "episodes_count": 8 if quick else 16, "steps": 5 if quick else 6,
         "concurrency": 8, "max_tokens": 20,
     }  # fmt: skip
-    poison = {"vllm_xargs": {"vg_poison_rate": 0.3}}
+    poison = {"vllm_xargs": {"vg_poison_rate": POISON_RATE}}
     budget = {"budget": {"ratio": 1.0, "min_per_second": 5.0}}
-    lines = ["## Poisoned agent workload (poison rate 0.3 of cache hits, c=8, temperature 0)", ""]
+    lines = [
+        f"## Poisoned agent workload (each cached block poisoned with p={POISON_RATE}, "
+        "c=8, temperature 0)",
+        "",
+    ]
     lines.append(
         "| target | requests | corrupt delivered | retries/request | prompt tokens recomputed "
         "| vLLM prefix-cache hit rate |"
@@ -293,6 +298,9 @@ def detector_section() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer requests (CI smoke run)")
+    parser.add_argument(
+        "--only", choices=["latency", "workload", "detectors"], help="run one section"
+    )
     args = parser.parse_args()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     external = os.environ.get("VLLM_GUARD_BENCH_VLLM_URL")
@@ -309,14 +317,15 @@ def main() -> None:
             f"# vllm-guard benchmark ({time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores)",
             "",
         ]
-        sections = (
-            latency_section(vllm_url, args.quick),
-            [""],
-            workload_section(vllm_url, args.quick),
-            [""],
-            detector_section(),
-        )
-        for section in sections:
+        chosen = {
+            "latency": lambda: latency_section(vllm_url, args.quick),
+            "workload": lambda: workload_section(vllm_url, args.quick),
+            "detectors": detector_section,
+        }
+        for name, section_fn in chosen.items():
+            if args.only not in (None, name):
+                continue
+            section = [*section_fn(), ""]
             out += section
             print("\n".join(section), flush=True)
         (ARTIFACTS / "report.md").write_text("\n".join(out) + "\n")

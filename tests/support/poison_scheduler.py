@@ -2,7 +2,8 @@
 
 Start vLLM with ``--scheduler-cls poison_scheduler.PoisonScheduler`` (this folder
 on PYTHONPATH). A request whose prefill *hit the prefix cache* is "poisoned" when
-the hash of its last cached block falls under ``VG_POISON_RATE`` (0..1). Its
+the hash of any block it reused falls under ``VG_POISON_RATE`` (0..1): Mamba
+state is cumulative, so every extension of a poisoned chain is poisoned too. Its
 sampled tokens are then rewritten, as the bug does:
 
 * ``bang``: every token becomes id 0, which decodes to ``!`` (NaN logits);
@@ -61,10 +62,12 @@ class PoisonScheduler(AsyncScheduler):
         blocks = cached // block_size if block_size else 0
         if blocks <= 0 or blocks > len(request.block_hashes):
             return _CLEAN
-        block_hash = bytes(request.block_hashes[blocks - 1])
-        if _uniform(b"rate" + block_hash) >= rate:
-            return _CLEAN
-        return kinds[int(_uniform(b"kind" + block_hash) * len(kinds))]
+        # Recurrent state is cumulative: a state computed from a poisoned block is
+        # poisoned too, so a hit is poisoned if any block it reuses is.
+        for block_hash in request.block_hashes[:blocks]:
+            if _uniform(b"rate" + bytes(block_hash)) < rate:
+                return kinds[int(_uniform(b"kind" + bytes(block_hash)) * len(kinds))]
+        return _CLEAN
 
     def _update_request_with_output(
         self, request: Any, new_token_ids: list[int], is_stale: bool = False

@@ -75,6 +75,7 @@ class VLLMServer:
         *,
         port: int | None = None,
         poison_rate: float = 0.0,
+        fixed: bool = False,
         extra_args: list[str] | None = None,
         extra_env: dict[str, str] | None = None,
     ) -> None:
@@ -82,6 +83,8 @@ class VLLMServer:
         self.log_path = log_path
         self.port = port or free_port()
         self.poison_rate = poison_rate
+        #: The "fixed" backend: the vllm-guard-fix plugin on, no poisoning scheduler.
+        self.fixed = fixed
         self.extra_args = extra_args or []
         self.extra_env = extra_env or {}
         self.process: subprocess.Popen[bytes] | None = None
@@ -97,7 +100,7 @@ class VLLMServer:
             "--dtype", "float32", "--max-model-len", "2048",
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--host", "127.0.0.1", "--port", str(self.port),
-            "--scheduler-cls", "poison_scheduler.PoisonScheduler",
+            *([] if self.fixed else ["--scheduler-cls", "poison_scheduler.PoisonScheduler"]),
             *self.extra_args,
         ]  # fmt: skip
 
@@ -112,6 +115,10 @@ class VLLMServer:
             **self.extra_env,
         }
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        if self.fixed:
+            env.pop("VLLM_GUARD_FIX_DISABLE", None)
+        else:
+            env["VLLM_GUARD_FIX_DISABLE"] = "1"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(
