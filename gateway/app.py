@@ -6,11 +6,13 @@ Start with ``vllm-guard serve`` or ``uvicorn gateway.app:create_app --factory``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -24,7 +26,14 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import __version__
 from gateway.config import Settings, load_settings
-from gateway.errors import GatewayError, PayloadTooLarge, error_body
+from gateway.errors import (
+    GatewayError,
+    HeadersTooLarge,
+    PayloadTooLarge,
+    Unauthorized,
+    error_body,
+)
+from gateway.evidence import EvidenceStore
 from gateway.guard import Guard
 from gateway.metrics import Metrics
 from gateway.request import parse_guarded
@@ -124,7 +133,27 @@ class GatewayApp(FastAPI):
 
     guarded_handler: GuardedHandler | None = None
 
+    #: SHA-256 digests of the client keys; empty means no client authentication.
+    client_key_hashes: tuple[str, ...] = ()
+
+    #: Largest total size of a request's headers.
+    max_header_bytes: int = 64 * 1024
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (
+            sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes
+        ):
+            too_large = HeadersTooLarge(f"request headers exceed {self.max_header_bytes} bytes")
+            await error_response(too_large)(scope, receive, send)
+            return
+        if (
+            self.client_key_hashes
+            and scope["type"] == "http"
+            and scope["path"] not in UNAUTHENTICATED_PATHS
+            and not key_allowed(scope, self.client_key_hashes)
+        ):
+            await unauthorized_response()(scope, receive, send)
+            return
         if scope["type"] == "http" and scope["method"] == "POST" and self.guarded_handler:
             endpoint = GUARDED_PATHS.get(scope["path"])
             if endpoint is not None:
@@ -138,6 +167,28 @@ class GatewayApp(FastAPI):
                 await response(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
+
+
+UNAUTHENTICATED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def key_allowed(scope: Scope, allowed: Sequence[str]) -> bool:
+    """Bearer key from the Authorization header, checked in constant time."""
+    header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+    scheme, _, key = header.decode("latin-1").partition(" ")
+    if scheme.lower() != "bearer" or not key:
+        return False
+    digest = hash_key(key.strip())
+    # Compare against every configured hash, without stopping early.
+    return sum(hmac.compare_digest(digest, h) for h in allowed) > 0
+
+
+def unauthorized_response() -> Response:
+    return error_response(Unauthorized("missing or invalid API key"))
 
 
 def internal_error_response() -> Response:
@@ -157,7 +208,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pool = BackendPool(settings.upstream, session)
         metrics = Metrics(CollectorRegistry(), models=settings.models, backends=pool.names)
         scraper = BackendScraper(pool, metrics, settings.upstream)
-        runtime = Runtime(settings, session, pool, metrics, Guard(settings, pool, metrics), scraper)
+        evidence = (
+            EvidenceStore(settings.evidence, per_process=settings.server.workers > 1)
+            if settings.evidence.enabled
+            else None
+        )
+        guard = Guard(settings, pool, metrics, evidence=evidence, version_of=scraper.version_of)
+        runtime = Runtime(settings, session, pool, metrics, guard, scraper)
         app.state.runtime = runtime
         await pool.check_all()
         await scraper.scrape_once()
@@ -183,6 +240,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         runtime: Runtime = request.app.state.runtime
         return runtime
 
+    # With client keys on, the client's key is ours, never the backend's.
+    client_auth = frozenset({"authorization"}) if settings.auth.api_key_sha256 else frozenset()
+    guarded_drop = frozenset({"accept-encoding"}) | client_auth
+
     async def guarded(request: Request, endpoint: str) -> Response:
         started = time.perf_counter()
         runtime = runtime_of(request)
@@ -194,7 +255,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 request.headers.items(),
                 request_id=request_id,
                 api_key=settings.upstream.api_key,
-                drop=frozenset({"accept-encoding"}),
+                drop=guarded_drop,
             )
             response = await until_disconnect(
                 request, runtime.guard.handle(parsed, headers, started)
@@ -207,6 +268,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return response
 
     app.guarded_handler = guarded
+    app.client_key_hashes = tuple(settings.auth.api_key_sha256)
+    app.max_header_bytes = settings.server.max_header_bytes
 
     # Also registered as routes, for the OpenAPI description; GatewayApp.__call__
     # answers them before FastAPI's routing does.
@@ -236,10 +299,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
         return Response(body, status_code=200 if ready else 503, media_type=JSON_MEDIA_TYPE)
 
-    if settings.metrics.enabled:
+    if settings.metrics.port is not None:
+
+        @app.get("/metrics", include_in_schema=False)
+        async def metrics_elsewhere() -> Response:
+            # Not proxied to vLLM either: metrics live on their own port.
+            return Response(
+                error_body("metrics are served on a separate port", "not_found", code="not_found"),
+                status_code=404,
+                media_type=JSON_MEDIA_TYPE,
+            )
+
+    elif settings.metrics.enabled:
+        metric_keys = tuple(settings.metrics.api_key_sha256)
 
         @app.get("/metrics")
         async def metrics_endpoint(request: Request) -> Response:
+            if metric_keys and not key_allowed(request.scope, metric_keys):
+                return unauthorized_response()
             body, content_type = runtime_of(request).metrics.render()
             return Response(body, media_type=content_type)
 
@@ -257,7 +334,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             backend = runtime.pool.choose_first(0.0, runtime.guard.rng)
             body = request.stream() if request.method not in ("GET", "HEAD") else None
             headers = forward_headers(
-                request.headers.items(), request_id=request_id, api_key=settings.upstream.api_key
+                request.headers.items(),
+                request_id=request_id,
+                api_key=settings.upstream.api_key,
+                drop=client_auth,
             )
             upstream = await backend.open(
                 request.method,

@@ -201,13 +201,45 @@ class ServerSettings(_Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
     workers: Annotated[int, Field(ge=1, le=64)] = 1
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    #: Total size of a request's headers; larger gets 431.
+    max_header_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024
     log_level: str = "info"
+    #: On SIGTERM: stop accepting, let in-flight requests (streams) finish this long.
+    shutdown_grace_s: Annotated[float, Field(ge=0)] = 30.0
+
+
+_SHA256_HEX = r"^[0-9a-f]{64}$"
+KeyHashes = list[Annotated[str, Field(pattern=_SHA256_HEX)]]
+
+
+class AuthSettings(_Strict):
+    #: SHA-256 hex digests of the client API keys (``vllm-guard hash-key``). When set,
+    #: every route but /healthz, /readyz and /metrics needs ``Authorization: Bearer KEY``,
+    #: and the client's key is never forwarded upstream (use upstream.api_key).
+    api_key_sha256: KeyHashes = Field(default_factory=list)
 
 
 class MetricsSettings(_Strict):
     enabled: bool = True
     #: Multiprocess-mode directory when workers > 1 (created and wiped at start).
     multiproc_dir: str | None = None
+    #: Serve /metrics on this separate port (and address) instead of the main one.
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    host: str = "127.0.0.1"
+    #: SHA-256 hex digests of keys allowed to read /metrics (empty: no key needed).
+    api_key_sha256: KeyHashes = Field(default_factory=list)
+
+
+class EvidenceSettings(_Strict):
+    """Opt-in capture of degenerate attempts, for upstream bug reports."""
+
+    enabled: bool = False
+    path: str = "vllm-guard-evidence.jsonl"
+    max_bytes: Annotated[int, Field(ge=4096)] = 50 * 1024 * 1024
+    backups: Annotated[int, Field(ge=0, le=100)] = 5
+    #: Also store the prompt text (otherwise only its fingerprint and token counts).
+    include_prompt: bool = False
+    max_output_chars: Annotated[int, Field(ge=16)] = 2000
 
 
 class Settings(BaseSettings):
@@ -218,7 +250,9 @@ class Settings(BaseSettings):
     server: ServerSettings = ServerSettings()
     upstream: UpstreamSettings = UpstreamSettings()
     guard: GuardSettings = GuardSettings()
+    auth: AuthSettings = AuthSettings()
     metrics: MetricsSettings = MetricsSettings()
+    evidence: EvidenceSettings = EvidenceSettings()
     #: Model name -> overrides. Also the bounded set of model label values.
     models: dict[str, ModelSettings] = Field(default_factory=dict)
 

@@ -5,11 +5,13 @@
     │   └── InvalidCacheSalt       400  (vLLM's own rule and message)
     ├── Unauthorized               401  authentication_error
     ├── PayloadTooLarge            413  invalid_request_error
+    ├── HeadersTooLarge            431  invalid_request_error
     ├── UpstreamError              502  upstream_error
     │   ├── BackendUnreachable     502
     │   └── UpstreamProtocolError  502  (garbage from the backend)
     ├── DegenerateResponse         502  degenerate_response (guard gave up, policy "error")
     ├── NoHealthyBackend           503  service_unavailable
+    ├── ShuttingDown               503  (stream cut at the end of the shutdown grace)
     └── UpstreamTimeout            504  timeout
 
 Rendered once, by ``error_body``, as ``{"error": {message, type, param, code}}``.
@@ -56,6 +58,12 @@ class PayloadTooLarge(GatewayError):
     code = "payload_too_large"
 
 
+class HeadersTooLarge(GatewayError):
+    status = 431
+    type = "invalid_request_error"
+    code = "headers_too_large"
+
+
 class UpstreamError(GatewayError):
     status = 502
     type = "upstream_error"
@@ -80,6 +88,12 @@ class NoHealthyBackend(GatewayError):
     status = 503
     type = "service_unavailable"
     code = "no_healthy_backend"
+
+
+class ShuttingDown(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "shutting_down"
 
 
 class UpstreamTimeout(GatewayError):

@@ -8,11 +8,13 @@ discarded attempt has sent nothing. Only then does the response start.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import orjson
@@ -24,16 +26,25 @@ from gateway.config import (
     GuardMode,
     Settings,
 )
-from gateway.detect import CLEAN, DegenerateKind, Detector, StreamInspector, Verdict
+from gateway.detect import (
+    CLEAN,
+    DegenerateKind,
+    Detector,
+    StreamInspector,
+    Verdict,
+    choice_output,
+)
 from gateway.errors import (
     BackendUnreachable,
     DegenerateResponse,
     GatewayError,
     NoHealthyBackend,
+    ShuttingDown,
     UpstreamProtocolError,
     UpstreamTimeout,
     sse_error_event,
 )
+from gateway.evidence import EvidenceRecord, EvidenceStore, prompt_fingerprint
 from gateway.metrics import Metrics
 from gateway.request import GuardedRequest, attempt_overrides, body_with
 from gateway.retry import RetryBudget, SaltMemory, conversation_key
@@ -155,6 +166,24 @@ class Attempt:
     stream: StreamState | None = None
     #: Seconds spent waiting on the backend for this attempt.
     upstream_s: float = 0.0
+    #: The parsed body of a non-streaming attempt (for evidence capture).
+    payload: dict[str, Any] | None = None
+
+    def output_text(self) -> str:
+        """What the degenerate choice said (content, else reasoning, else tool args)."""
+        index = self.verdict.choice_index or 0
+        if self.stream is not None:
+            state = self.stream.inspector.choices.get(index)
+            output = state.output() if state is not None else None
+        else:
+            choices = (self.payload or {}).get("choices") or []
+            raw = next(
+                (c for c in choices if isinstance(c, dict) and c.get("index", 0) == index), None
+            )
+            output = choice_output(raw) if raw is not None else None
+        if output is None:
+            return ""
+        return output.content or output.reasoning or "".join(output.tool_arguments)
 
     async def discard(self) -> None:
         if self.stream is not None:
@@ -168,10 +197,15 @@ class Guard:
         pool: BackendPool,
         metrics: Metrics,
         rng: random.Random | None = None,
+        *,
+        evidence: EvidenceStore | None = None,
+        version_of: Callable[[str], str | None] = lambda backend: None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.metrics = metrics
+        self.evidence = evidence
+        self.version_of = version_of
         self.rng = rng or random.Random()
         self.budget = RetryBudget(settings.guard.budget)
         self.salts = SaltMemory(settings.guard.salt_reuse)
@@ -251,6 +285,7 @@ class Guard:
             assert kind is not None
             trace.degenerate_seen = True
             self.metrics.degenerate.labels(trace.model, backend.name, kind).inc()
+            self._capture(attempt, trace, kind)
             if attempt.salt is not None and attempt.salt != request.client_salt:
                 self.salts.forget(trace.conversation, attempt.salt)
             if self.mode is not GuardMode.ENFORCE or not self._may_retry(trace):
@@ -356,6 +391,7 @@ class Guard:
         if not isinstance(payload, dict):
             return
         attempt.usage = read_usage(payload)
+        attempt.payload = payload
         if self.mode is not GuardMode.OFF:
             attempt.verdict = self.detector_for(request.model).inspect_body(payload)
 
@@ -444,6 +480,12 @@ class Guard:
         except GatewayError as exc:
             verdict = "error"
             yield sse_error_event(exc)
+        except asyncio.CancelledError:
+            # The shutdown grace ran out (or the client left): end the stream in-band
+            # where the connection still takes it, then let the cancellation go on.
+            verdict = "error"
+            yield sse_error_event(ShuttingDown("the gateway is shutting down"))
+            raise
         finally:
             state.response.close()
             relayed = time.perf_counter() - opened
@@ -461,6 +503,7 @@ class Guard:
         """A released stream degenerated: count it; with policy "cut", end it in-band."""
         backend = attempt.backend.name
         self.metrics.degenerate.labels(trace.model, backend, kind).inc()
+        self._capture(attempt, trace, kind)
         if not ended and self.settings.guard.stream.after_release is AfterRelease.CUT:
             assert attempt.stream is not None
             attempt.stream.response.close()
@@ -472,6 +515,31 @@ class Guard:
         return None
 
     # -- accounting ------------------------------------------------------------------
+
+    def _capture(self, attempt: Attempt, trace: Trace, kind: DegenerateKind) -> None:
+        if self.evidence is None:
+            return
+        request = trace.request
+        usage = attempt.usage or (attempt.stream.usage if attempt.stream else None)
+        try:
+            self.evidence.write(
+                EvidenceRecord(
+                    model=request.model,
+                    backend=attempt.backend.name,
+                    vllm_version=self.version_of(attempt.backend.name),
+                    kind=kind,
+                    endpoint=request.endpoint,
+                    stream=request.stream,
+                    attempt=trace.attempts,
+                    prompt_tokens=usage.prompt_tokens if usage else None,
+                    cached_tokens=usage.cached_tokens if usage else None,
+                    prompt_fingerprint=prompt_fingerprint(request.body),
+                    output=attempt.output_text(),
+                    prompt=request.body.get("messages", request.body.get("prompt")),
+                )
+            )
+        except OSError:
+            log.warning("evidence capture failed; continuing without it", exc_info=True)
 
     def _count_attempt(
         self, attempt: Attempt, trace: Trace, degenerate: bool | None = None

@@ -9,7 +9,9 @@ worker starts, and ``render`` merges every worker's files, so totals add up.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -189,3 +191,42 @@ class Metrics:
             multiprocess.MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
             return generate_latest(merged), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def serve_metrics_port(host: str, port: int, key_hashes: Sequence[str]) -> ThreadingHTTPServer:
+    """/metrics on its own address and port, in a thread of the serving process.
+
+    Used with ``metrics.port``; the CLI turns on multiprocess mode first, so this
+    process reads every worker's values from PROMETHEUS_MULTIPROC_DIR.
+    """
+    import hashlib
+    import hmac
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] != "/metrics":
+                self.send_error(404)
+                return
+            if key_hashes:
+                scheme, _, key = (self.headers.get("Authorization") or "").partition(" ")
+                digest = hashlib.sha256(key.strip().encode()).hexdigest()
+                if scheme.lower() != "bearer" or not sum(
+                    hmac.compare_digest(digest, h) for h in key_hashes
+                ):
+                    self.send_error(401)
+                    return
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            body = generate_latest(registry)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:  # no access log
+            return
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="metrics-port", daemon=True).start()
+    return server

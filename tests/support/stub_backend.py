@@ -35,12 +35,15 @@ def chunk(content: str | None = None, finish: str | None = None, role: bool = Fa
 
 
 DONE = b"data: [DONE]\n\n"
+SCRAPED_PATHS = frozenset({"/metrics", "/version", "/v1/models"})
 CLEAN_WORDS = ["The ", "button ", "is ", "at ", "the ", "top ", "right ", "of ", "the ", "page. "]
 
 
 class StubState:
     def __init__(self) -> None:
         self.requests: list[dict[str, object]] = []
+        self.headers: list[dict[str, str]] = []
+        self.paths: list[str] = []
         self.open_streams = 0
 
 
@@ -61,7 +64,7 @@ def build_app(state: StubState) -> Starlette:
                 for _ in range(30):
                     yield chunk("!")
             if scenario == "slow-stream":
-                for _ in range(200):
+                for _ in range(40):
                     yield chunk("tick ")
                     await asyncio.sleep(0.05)
             yield chunk(finish="stop")
@@ -73,6 +76,7 @@ def build_app(state: StubState) -> Starlette:
     async def completions(request: Request) -> Response:
         body = orjson.loads(await request.body())
         state.requests.append(body)
+        state.headers.append({":path": request.url.path, **request.headers})
         scenario = request.headers.get("x-stub-scenario", "clean")
         if scenario == "503":
             return JSONResponse(
@@ -98,19 +102,27 @@ def build_app(state: StubState) -> Starlette:
     async def health(request: Request) -> Response:
         return Response(b"")
 
+    async def anything(request: Request) -> Response:
+        if request.url.path in SCRAPED_PATHS:  # the gateway's own backend scrape
+            return Response(b"{}", media_type="application/json")
+        state.paths.append(request.url.path)
+        state.headers.append({":path": request.url.path, **request.headers})
+        return JSONResponse({"path": request.url.path, "host": request.headers.get("host")})
+
     return Starlette(
         routes=[
             Route("/v1/chat/completions", completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/health", health),
+            Route("/{rest:path}", anything, methods=["GET", "POST"]),
         ]
     )
 
 
 class StubBackend:
-    def __init__(self) -> None:
+    def __init__(self, port: int | None = None) -> None:
         self.state = StubState()
-        self.port = free_port()
+        self.port = port or free_port()
         config = uvicorn.Config(
             build_app(self.state), host="127.0.0.1", port=self.port, log_level="error",
             loop="asyncio", timeout_graceful_shutdown=1,
