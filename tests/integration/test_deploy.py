@@ -1,0 +1,191 @@
+"""Deploy artefacts validated by real tools: promtool, hadolint, kubernetes-validate,
+a real Prometheus answering every dashboard panel, and the Dockerfile's install steps."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from conftest import GatewayFactory, RunningVLLM, openai_client
+from support.prometheus import PrometheusServer
+from support.servers import free_port, wait_http
+from support.stub_backend import StubBackend
+from support.workload import run_workload
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+BIN = Path(sys.executable).parent
+
+
+def run(*command: str, cwd: Path = ROOT) -> str:
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout}\n{result.stderr}"
+    return result.stdout + result.stderr
+
+
+def test_promtool_config_rules_and_rule_tests() -> None:
+    prom = DEPLOY / "prometheus"
+    assert "SUCCESS" in run("promtool", "check", "config", "prometheus.yml", cwd=prom)
+    assert "5 rules found" in run("promtool", "check", "rules", "alerts.yml", cwd=prom)
+    assert "SUCCESS" in run("promtool", "test", "rules", "alerts_test.yml", cwd=prom)
+
+
+def test_prometheusrule_carries_the_tested_rules(tmp_path: Path) -> None:
+    resource = yaml.safe_load((DEPLOY / "k8s" / "prometheusrule.yaml").read_text())
+    assert resource["apiVersion"] == "monitoring.coreos.com/v1"
+    assert resource["kind"] == "PrometheusRule"
+    assert resource["spec"] == yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    rules = tmp_path / "rules.yml"
+    rules.write_text(yaml.safe_dump(resource["spec"]))
+    assert "5 rules found" in run("promtool", "check", "rules", str(rules))
+
+
+def test_hadolint_passes() -> None:
+    run(str(BIN / "hadolint"), "Dockerfile", "deploy/vllm-fixed/Dockerfile")
+
+
+def test_kubernetes_manifests_validate() -> None:
+    manifests = sorted(str(p) for p in (DEPLOY / "k8s").glob("*.yaml"))
+    output = run(str(BIN / "kubernetes-validate"), "--strict", *manifests)
+    for kind in ("configmap", "deployment", "service", "horizontalpodautoscaler",
+                 "poddisruptionbudget"):  # fmt: skip
+        assert f"passed for resource {kind}/vllm-guard" in output
+
+
+def test_k8s_objects_fit_together() -> None:
+    docs = {p.stem: yaml.safe_load(p.read_text()) for p in (DEPLOY / "k8s").glob("*.yaml")}
+    pod = docs["deployment"]["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert docs["service"]["spec"]["selector"].items() <= labels.items()
+    assert docs["pdb"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    monitor = docs["servicemonitor"]
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items()
+        <= docs["service"]["metadata"]["labels"].items()
+    )
+    service_ports = {p["name"] for p in docs["service"]["spec"]["ports"]}
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} <= service_ports
+    config = yaml.safe_load(docs["configmap"]["data"]["vllm-guard.yaml"])
+    grace = config["server"]["shutdown_grace_s"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] > grace + 5  # preStop pause + drain
+    config_file = Path("/tmp") / f"vllm-guard-k8s-{time.time_ns()}.yaml"
+    config_file.write_text(docs["configmap"]["data"]["vllm-guard.yaml"])
+    assert "OK" in run(str(BIN / "vllm-guard"), "check-config", str(config_file))
+    compose_config = DEPLOY / "compose" / "vllm-guard.yaml"
+    assert "OK" in run(str(BIN / "vllm-guard"), "check-config", str(compose_config))
+
+
+def test_compose_stack_is_coherent() -> None:
+    compose = yaml.safe_load((DEPLOY / "compose" / "docker-compose.yaml").read_text())
+    services = compose["services"]
+    assert {"vllm", "vllm-fixed", "vllm-guard", "prometheus", "grafana"} <= services.keys()
+    assert services["vllm-fixed"]["profiles"] == ["fixed"]
+    flags = services["vllm"]["command"]
+    for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details",
+                 "--mamba-cache-mode=align", "--enable-chunked-prefill"):  # fmt: skip
+        assert flag in flags
+    assert any(f.startswith("--speculative-config=") and '"mtp"' in f for f in flags)
+    for service in services.values():  # every mounted file exists
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("."):
+                assert (DEPLOY / "compose" / source).exists(), source
+    scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    targets = {t.split(":")[0] for job in scrape["scrape_configs"]
+               for c in job["static_configs"] for t in c["targets"]}  # fmt: skip
+    assert targets <= services.keys()
+
+
+def substitute(expr: str, model: str, backend: str) -> str:
+    return (
+        expr.replace("$model", model)
+        .replace("$backend", backend)
+        .replace("$__rate_interval", "1m")
+        .replace("$__range", "10m")
+    )
+
+
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((DEPLOY / "grafana" / "vllm-guard-overview.json").read_text())
+    return data
+
+
+def test_dashboard_shape() -> None:
+    board = dashboard()
+    assert board["title"] == "vllm-guard overview"
+    names = {v["name"] for v in board["templating"]["list"]}
+    assert {"model", "backend"} <= names
+    titles = " | ".join(p["title"] for p in board["panels"])
+    for needed in ("Corruption rate", "delivered", "Recovered", "Retry rate", "hit rate",
+                   "corrupted vs. clean", "Attempts", "latency", "overhead",
+                   "first token", "Backend up"):  # fmt: skip
+        assert needed in titles, needed
+
+
+@pytest.mark.vllm
+def test_every_dashboard_panel_returns_data(vllm: RunningVLLM, gateway_for: GatewayFactory) -> None:
+    gateway = gateway_for(
+        vllm.url,
+        guard={"budget": {"ratio": 1.0, "min_per_second": 5.0}},
+        upstream={"metrics_scrape_interval_s": 1.0},
+    )
+    with PrometheusServer({"vllm-guard": f"127.0.0.1:{gateway.port}"}) as prom:
+        client = openai_client(gateway.url)
+        seed = int(time.time()) % 100_000
+        poison = {"vllm_xargs": {"vg_poison_rate": 0.15}}
+        for stream in (False, True):
+            run_workload(
+                client, vllm.model, episodes_count=4, steps=3, concurrency=4, seed=seed + stream,
+                extra_body=poison, max_tokens=12, stream=stream,
+            )  # fmt: skip
+        time.sleep(2)
+        prom.wait_for_scrape_after(time.time(), "vllm-guard")
+        empty = []
+        for panel in dashboard()["panels"]:
+            for target in panel["targets"]:
+                expr = substitute(target["expr"], vllm.model, "vllm0")
+                if not prom.query(expr):
+                    empty.append(f"{panel['title']}: {expr}")
+        assert empty == [], "panels without data:\n" + "\n".join(empty)
+        for variable in ("model", "backend"):
+            values = httpx.get(prom.url + f"/api/v1/label/{variable}/values").json()["data"]
+            assert values, variable
+
+
+def test_dockerfile_install_steps_in_a_fresh_virtualenv(tmp_path: Path) -> None:
+    """The Dockerfile's own RUN pip install lines, in a new venv, then serve /healthz."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    installs = [
+        line.split("RUN ", 1)[1].split("&&")[0].strip()
+        for line in text.splitlines()
+        if line.startswith("RUN pip install")
+    ]
+    assert len(installs) == 2
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", str(venv))
+    for command in installs:
+        command = command.replace("/app/requirements.lock", str(DEPLOY / "requirements.lock"))
+        command = re.sub(r"(\s)/app(\s|$)", rf"\g<1>{ROOT}\g<2>", command)
+        run(str(venv / "bin" / "python"), "-m", *command.split())
+    port = free_port()
+    with StubBackend() as stub:
+        process = subprocess.Popen(
+            [str(venv / "bin" / "vllm-guard"), "serve", "--config", "config/vllm-guard.yaml",
+             "--backend", stub.url, "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            wait_http(f"http://127.0.0.1:{port}/healthz", 60, process)
+        finally:
+            process.terminate()
+            process.wait(timeout=20)
+    assert shutil.which("vllm-guard", path=str(venv / "bin"))

@@ -1,0 +1,158 @@
+"""Soak: 10,000 requests at concurrency 32 through the gateway, streaming and not,
+against a real (tiny) vLLM with its prefix cache poisoned.
+
+    .venv/bin/python tests/perf/soak.py [--requests 10000] [--concurrency 32]
+
+Checks and prints: every request answered exactly once, degenerate answers
+delivered vs. what the metrics count as delivered after the guard gave up,
+gateway-made 5xx, and the gateway's RSS after warm-up and at the end.
+Uses VLLM_GUARD_BENCH_VLLM_URL when set, else starts the tiny vLLM itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "perf"))
+
+from bench_gateway import ARTIFACTS, GatewayProcess  # noqa: E402
+from support.servers import MODEL_NAME, VLLMServer, ensure_model  # noqa: E402
+from support.workload import WORDS, is_corrupt  # noqa: E402
+
+GATEWAY_ERROR_TYPES = {
+    "upstream_error", "degenerate_response", "service_unavailable", "timeout", "internal_error",
+}  # fmt: skip
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def soak(url: str, requests: int, concurrency: int, pid: int) -> dict[str, object]:
+    rng = random.Random(7)
+    systems = [" ".join(rng.choice(WORDS) for _ in range(300)) for _ in range(120)]
+    answered: Counter[int] = Counter()
+    statuses: Counter[int] = Counter()
+    gateway_5xx = 0
+    corrupt_delivered = 0
+    verdicts: Counter[str] = Counter()
+    queue = list(range(requests))
+    rss: dict[str, float] = {}
+
+    async def one(session: aiohttp.ClientSession, i: int) -> None:
+        nonlocal gateway_5xx, corrupt_delivered
+        stream = i % 2 == 1
+        body = {
+            "model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "stream": stream,
+            "messages": [{"role": "system", "content": systems[i % len(systems)]},
+                         {"role": "user", "content": f"step {i // len(systems)}"}],
+            "vllm_xargs": {"vg_poison_rate": 0.05},
+        }  # fmt: skip
+        async with session.post(url + "/v1/chat/completions", json=body) as response:
+            raw = await response.read()
+            statuses[response.status] += 1
+            answered[i] += 1
+            verdicts[response.headers.get("x-vllm-guard-verdict", "none")] += 1
+            if response.status >= 500:
+                error = orjson.loads(raw).get("error", {}) if raw.startswith(b"{") else {}
+                gateway_5xx += error.get("type") in GATEWAY_ERROR_TYPES
+                return
+            if stream:
+                text = "".join(
+                    (c.get("delta") or {}).get("content") or ""
+                    for line in raw.split(b"\n\n")
+                    if line.startswith(b"data: {")
+                    for c in orjson.loads(line[6:]).get("choices", [])
+                )
+            else:
+                text = orjson.loads(raw)["choices"][0]["message"]["content"] or ""
+            corrupt_delivered += is_corrupt(text)
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while queue:
+            i = queue.pop()
+            if requests - len(queue) == 1000 and "warm" not in rss:
+                rss["warm"] = rss_mib(pid)
+            await one(session, i)
+
+    started = time.perf_counter()
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    rss["end"] = rss_mib(pid)
+    return {
+        "duration_s": time.perf_counter() - started,
+        "answered_once": sum(1 for n in answered.values() if n == 1),
+        "answered_twice_or_more": sum(1 for n in answered.values() if n > 1),
+        "statuses": dict(statuses),
+        "verdicts": dict(verdicts),
+        "gateway_5xx": gateway_5xx,
+        "corrupt_delivered": corrupt_delivered,
+        "rss_mib": rss,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=10_000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    args = parser.parse_args()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    server = None
+    vllm_url = os.environ.get("VLLM_GUARD_BENCH_VLLM_URL", "").rstrip("/")
+    if not vllm_url:
+        server = VLLMServer(ensure_model(ARTIFACTS / "tiny-model"), ARTIFACTS / "vllm.log")
+        server.start()
+        server.wait_ready()
+        vllm_url = server.url
+    try:
+        with GatewayProcess(vllm_url, "soak") as gateway:
+            assert gateway.process is not None
+            result = asyncio.run(
+                soak(gateway.url, args.requests, args.concurrency, gateway.process.pid)
+            )
+            delivered_metric = gateway.metric_sum("vllm_guard_degenerate_delivered_total")
+            exhausted = gateway.metric_sum("vllm_guard_retry_budget_exhausted_total")
+            recovered = gateway.metric_sum("vllm_guard_requests_total", verdict="recovered")
+        print(f"requests:            {args.requests} at concurrency {args.concurrency}")
+        print(f"duration:            {result['duration_s']:.1f} s")
+        print(f"answered once:       {result['answered_once']}")
+        print(f"answered 2+ times:   {result['answered_twice_or_more']}")
+        print(f"statuses:            {result['statuses']}")
+        print(f"verdicts:            {result['verdicts']}")
+        print(f"recovered (metrics): {recovered:.0f}")
+        print(f"corrupt delivered:   {result['corrupt_delivered']} "
+              f"(metrics: {delivered_metric:.0f} delivered after the guard gave up; "
+              f"budget exhausted {exhausted:.0f} times)")  # fmt: skip
+        print(f"gateway-made 5xx:    {result['gateway_5xx']}")
+        print(f"gateway RSS (MiB):   {result['rss_mib']}")
+        ok = (
+            result["answered_once"] == args.requests
+            and result["gateway_5xx"] == 0
+            and result["corrupt_delivered"] <= delivered_metric
+        )
+        print("SOAK PASSED" if ok else "SOAK FAILED")
+        sys.exit(0 if ok else 1)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
