@@ -97,6 +97,9 @@ class DetectorSettings(_Strict):
     #: ...and degenerate when runs of that character make up at least this share of
     #: the visible (non-space) output, or the run ends the output ("click(!!!!...").
     punct_min_share: Annotated[float, Field(gt=0, le=1)] = 0.6
+    #: An output that is nothing but one repeated punctuation character is degenerate
+    #: from this length on (short corrupted answers: max_tokens 8 gives "!!!!!!!!").
+    punct_min_whole: Annotated[int, Field(ge=2)] = 6
     #: A trailing run this long is degenerate whatever precedes it.
     punct_min_tail_run: Annotated[int, Field(ge=2)] = 16
     #: Characters never counted as the repeated one (markdown rules, ellipses,

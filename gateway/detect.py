@@ -80,17 +80,23 @@ class Detector:
 
     # -- text detectors ---------------------------------------------------------
 
-    def punct_run(self, text: str) -> bool:
-        """A run of one repeated punctuation character dominates or ends the text."""
+    def punct_run(self, text: str, *, complete: bool = True) -> bool:
+        """A run of one repeated punctuation character dominates or ends the text.
+
+        ``complete``: the text is the whole output, so "nothing but a short run"
+        counts too; a stream still running may yet continue after the run.
+        """
         if not self.settings.punct_run or self._run_pattern is None:
             return False
         tail = trailing_run(text, self.candidates)
         if tail >= self.settings.punct_min_tail_run:
             return True
+        if complete and tail >= self.settings.punct_min_whole and tail == _visible_length(text):
+            return True
         visible = 0
         for match in self._run_pattern.finditer(text):
             if not visible:
-                visible = len(text) - sum(len(ws) for ws in _WHITESPACE.findall(text))
+                visible = _visible_length(text)
             char = match.group(1)
             if text.count(char) >= self.settings.punct_min_share * visible:
                 return True
@@ -109,10 +115,10 @@ class Detector:
     def deny_pattern(self, text: str) -> bool:
         return any(p.search(text) for p in self._deny)
 
-    def text_kind(self, text: str) -> DegenerateKind | None:
+    def text_kind(self, text: str, *, complete: bool = True) -> DegenerateKind | None:
         if not text:
             return None
-        if self.punct_run(text):
+        if self.punct_run(text, complete=complete):
             return DegenerateKind.PUNCT_RUN
         if self.token_loop(text):
             return DegenerateKind.TOKEN_LOOP
@@ -176,6 +182,10 @@ def choice_output(choice: Mapping[str, Any]) -> ChoiceOutput:
             finish_reason=finish_reason,
         )
     return ChoiceOutput(content=_text(choice.get("text")), finish_reason=finish_reason)
+
+
+def _visible_length(text: str) -> int:
+    return len(text) - sum(len(ws) for ws in _WHITESPACE.findall(text))
 
 
 def trailing_run(text: str, candidates: frozenset[str]) -> int:
@@ -277,11 +287,13 @@ class PunctTracker:
             else:
                 self.run_char, self.run = "", 0
 
-    def degenerate(self) -> bool:
+    def degenerate(self, *, complete: bool = False) -> bool:
         s = self.detector.settings
         if not s.punct_run:
             return False
         if self.run >= s.punct_min_tail_run:
+            return True
+        if complete and self.run >= s.punct_min_whole and self.run == self.visible:
             return True
         return any(self.counts[c] >= s.punct_min_share * self.visible for c in self.long_run_chars)
 
@@ -380,7 +392,7 @@ class StreamInspector:
             return partial
         for index, state in self.choices.items():
             for text in ("".join(state.content_parts), "".join(state.reasoning_parts)):
-                kind = self.detector.text_kind(text)
+                kind = self.detector.text_kind(text, complete=False)
                 if kind is not None:
                     return Verdict(kind, index)
         return CLEAN

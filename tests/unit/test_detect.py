@@ -116,7 +116,8 @@ def test_incremental_punct_run_agrees_with_whole_text(text: str, cuts: list[int]
         tracker.feed(text[start:cut])
         start = max(start, cut)
     tracker.feed(text[start:])
-    assert tracker.degenerate() == DETECTOR.punct_run(text)
+    assert tracker.degenerate(complete=True) == DETECTOR.punct_run(text)
+    assert tracker.degenerate() == DETECTOR.punct_run(text, complete=False)
 
 
 @settings(max_examples=300, deadline=None)
