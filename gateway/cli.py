@@ -121,6 +121,73 @@ def evidence_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def probe_command(args: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    import orjson
+
+    from gateway.probe import (
+        ProbeConfig,
+        format_table,
+        plot,
+        progress_bar,
+        report_json,
+        run_probe,
+    )
+
+    try:
+        extra = orjson.loads(args.extra_body) if args.extra_body else {}
+    except orjson.JSONDecodeError as exc:
+        print(f"vllm-guard: --extra-body is not JSON: {exc}", file=sys.stderr)
+        return 2
+    config = ProbeConfig(
+        target=args.target.rstrip("/"),
+        model=args.model,
+        workload=args.workload,
+        episodes=args.episodes,
+        steps=args.steps,
+        concurrency=args.concurrency,
+        stream=args.stream,
+        max_tokens=args.max_tokens,
+        images=args.images,
+        extra_body=extra,
+        verify_determinism=args.verify_determinism,
+        api_key=args.api_key,
+        seed=args.seed,
+    )
+    report = asyncio.run(run_probe(config, None if args.json else progress_bar))
+    if args.plot:
+        plot(report, Path(args.plot))
+    if args.json:
+        sys.stdout.buffer.write(report_json(report) + b"\n")
+    else:
+        print(format_table(report))
+    return 0
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    from gateway.demo import demo_json, format_demo, run_demo
+
+    result = run_demo(
+        poison_rate=args.poison_rate,
+        episodes=args.episodes,
+        steps=args.steps,
+        concurrency=args.concurrency,
+        quiet=args.json,
+    )
+    if args.json:
+        sys.stdout.buffer.write(demo_json(result) + b"\n")
+    else:
+        print()
+        print(format_demo(result))
+        print(
+            "\nThe gateway detected the degenerate answers, retried them with a fresh "
+            "cache_salt (a prefix-cache miss, so clean), and delivered clean answers."
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-guard",
@@ -151,6 +218,42 @@ def build_parser() -> argparse.ArgumentParser:
     evidence = commands.add_parser("evidence", help="summarise an evidence capture store")
     evidence.add_argument("path", nargs="?", default="vllm-guard-evidence.jsonl")
     evidence.set_defaults(func=evidence_command)
+
+    probe = commands.add_parser(
+        "probe", help="measure degenerate answers and the prefix-cache hit rate on a target"
+    )
+    probe.add_argument("target", help="base URL of a vLLM server or of the gateway")
+    probe.add_argument("--model", help="model name (default: the server's default)")
+    probe.add_argument(
+        "--workload", default="agent", help="'agent' (built in) or a JSONL file of request bodies"
+    )
+    probe.add_argument("--episodes", type=int, default=8)
+    probe.add_argument("--steps", type=int, default=6)
+    probe.add_argument("--concurrency", type=int, default=8, help="up to 32 like the field")
+    probe.add_argument("--stream", action="store_true")
+    probe.add_argument("--max-tokens", type=int, default=24)
+    probe.add_argument("--images", action="store_true", help="attach 1-3 small screenshots")
+    probe.add_argument("--extra-body", help="JSON merged into every request body")
+    probe.add_argument(
+        "--verify-determinism",
+        action="store_true",
+        help="resend greedy requests with a fresh salt and compare the answers",
+    )
+    probe.add_argument("--api-key")
+    probe.add_argument("--seed", type=int, default=0)
+    probe.add_argument("--json", action="store_true", help="machine-readable output")
+    probe.add_argument("--plot", help="write a PNG of corruption and hit rate over the run")
+    probe.set_defaults(func=probe_command)
+
+    demo = commands.add_parser(
+        "demo", help="tiny local vLLM with a poisoned prefix cache, direct vs. through the gateway"
+    )
+    demo.add_argument("--poison-rate", type=float, default=0.1, help="per cached block")
+    demo.add_argument("--episodes", type=int, default=8)
+    demo.add_argument("--steps", type=int, default=5)
+    demo.add_argument("--concurrency", type=int, default=8)
+    demo.add_argument("--json", action="store_true")
+    demo.set_defaults(func=demo_command)
 
     check = commands.add_parser("check-config", help="validate a config file")
     check.add_argument("file")

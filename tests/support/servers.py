@@ -10,145 +10,30 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import uvicorn
 
 from gateway.app import create_app
 from gateway.config import Settings
+from gateway.localvllm import (
+    MODEL_NAME,
+    SUPPORT,
+    VLLMServer,
+    ensure_model,
+    free_port,
+    vllm_python,
+    wait_http,
+)
 
-SUPPORT = Path(__file__).resolve().parent
-MODEL_NAME = "tiny"
-
-
-def vllm_python() -> Path:
-    override = os.environ.get("VLLM_GUARD_VLLM_PYTHON")
-    if override:
-        return Path(override)
-    venv = Path(os.environ.get("VLLM_VENV", Path.home() / ".cache/vllm-guard/vllm-venv"))
-    return venv / "bin" / "python"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def ensure_model(directory: Path) -> Path:
-    if not (directory / "model.safetensors").exists():
-        subprocess.run(
-            [str(vllm_python()), str(SUPPORT / "build_tiny_model.py"), str(directory)],
-            check=True,
-            capture_output=True,
-        )
-    return directory
-
-
-def wait_http(url: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} before {url} answered")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer within {timeout_s}s")
-
-
-class VLLMServer:
-    def __init__(
-        self,
-        model_dir: Path,
-        log_path: Path,
-        *,
-        port: int | None = None,
-        poison_rate: float = 0.0,
-        fixed: bool = False,
-        extra_args: list[str] | None = None,
-        extra_env: dict[str, str] | None = None,
-    ) -> None:
-        self.model_dir = model_dir
-        self.log_path = log_path
-        self.port = port or free_port()
-        self.poison_rate = poison_rate
-        #: The "fixed" backend: the vllm-guard-fix plugin on, no poisoning scheduler.
-        self.fixed = fixed
-        self.extra_args = extra_args or []
-        self.extra_env = extra_env or {}
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def command(self) -> list[str]:
-        return [
-            str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir), "--served-model-name", MODEL_NAME,
-            "--dtype", "float32", "--max-model-len", "2048",
-            "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            *([] if self.fixed else ["--scheduler-cls", "poison_scheduler.PoisonScheduler"]),
-            *self.extra_args,
-        ]  # fmt: skip
-
-    def start(self) -> None:
-        env = {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VG_POISON_RATE": str(self.poison_rate),
-            "PYTHONPATH": str(SUPPORT),
-            **self.extra_env,
-        }
-        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        if self.fixed:
-            env.pop("VLLM_GUARD_FIX_DISABLE", None)
-        else:
-            env["VLLM_GUARD_FIX_DISABLE"] = "1"
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-    def wait_ready(self, timeout_s: float = 420) -> None:
-        try:
-            wait_http(self.url + "/health", timeout_s, self.process)
-        except Exception as exc:
-            tail = self.log_path.read_text(errors="replace")[-4000:]
-            raise RuntimeError(f"vLLM did not start: {exc}\n--- log tail ---\n{tail}") from exc
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, 15)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, 9)
-            self.process.wait()
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, 9)
-            self.process.wait()
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
+__all__ = [
+    "MODEL_NAME", "SUPPORT", "GatewayServer", "VLLMServer", "ensure_model", "free_port",
+    "gateway_settings", "vllm_python", "wait_http",
+]  # fmt: skip
 
 
 class GatewayServer:
