@@ -7,7 +7,7 @@ VLLM_VENV ?= $(HOME)/.cache/vllm-guard/vllm-venv
 CONFIG ?= config/vllm-guard.yaml
 export VLLM_VENV
 
-.PHONY: setup run test lint unit vllm prometheus tiny-vllm bench clean
+.PHONY: setup run test lint unit vllm prometheus tiny-vllm demo bench soak clean
 
 $(BIN)/vllm-guard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,8 +42,14 @@ test: setup vllm prometheus lint ## everything: lint, unit, and integration agai
 tiny-vllm: vllm setup ## start the tiny local vLLM the tests use, on port 8000, to try the gateway by hand
 	$(BIN)/python tests/support/servers.py 8000
 
-bench: setup vllm
+demo: setup ## the tiny vLLM with a poisoned prefix cache, direct vs. through the gateway
+	$(BIN)/vllm-guard demo
+
+bench: setup vllm ## gateway vs. direct: latency, poisoned workload, detector cost
 	$(BIN)/python tests/perf/bench_gateway.py
+
+soak: setup vllm ## 10,000 requests at c=32 with poisoning on
+	$(BIN)/python tests/perf/soak.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
