@@ -19,6 +19,7 @@ import orjson
 
 from gateway.config import UpstreamSettings
 from gateway.metrics import Metrics
+from gateway.periodic import Periodic
 from gateway.upstream import Backend, BackendPool
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,9 @@ class BackendScraper:
         self.settings = settings
         self._last: dict[str, PrefixCacheCounters] = {}
         self._versions: dict[str, str] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic(
+            settings.metrics_scrape_interval_s, self.scrape_once, "backend scrape"
+        )
 
     async def _get(self, backend: Backend, path: str) -> bytes | None:
         timeout = aiohttp.ClientTimeout(total=self.settings.timeouts.connect_s * 2)
@@ -107,22 +110,11 @@ class BackendScraper:
     async def scrape_once(self) -> None:
         await asyncio.gather(*(self._scrape(b) for b in self.pool.backends))
 
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.metrics_scrape_interval_s)
-            try:
-                await self.scrape_once()
-            except Exception:  # the scrape loop must never die
-                log.exception("backend scrape round failed")
-
     def version_of(self, backend: str) -> str | None:
         return self._versions.get(backend)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._periodic.stop()

@@ -26,6 +26,7 @@ from gateway.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+from gateway.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class BackendPool:
         self.backends = [Backend(b, session) for b in settings.backends]
         self.primaries = [b for b in self.backends if b.settings.role is BackendRole.PRIMARY]
         self.fixed = next((b for b in self.backends if b.settings.role is BackendRole.FIXED), None)
-        self._health_task: asyncio.Task[None] | None = None
+        self._health = Periodic(settings.health_interval_s, self.check_all, "health check")
 
     @property
     def names(self) -> list[str]:
@@ -203,22 +204,11 @@ class BackendPool:
         for backend, ok in zip(self.backends, results, strict=True):
             backend.mark(ok)
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.health_interval_s)
-            try:
-                await self.check_all()
-            except Exception:  # a health loop must never die
-                log.exception("health check round failed")
-
     def start(self) -> None:
-        self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+        self._health.start()
 
     async def stop(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+        await self._health.stop()
 
 
 def forward_headers(

@@ -11,49 +11,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-WORDS = [
-    "click",
-    "tap",
-    "type",
-    "scroll",
-    "open",
-    "close",
-    "button",
-    "window",
-    "menu",
-    "file",
-    "edit",
-    "view",
-    "help",
-    "search",
-    "settings",
-    "profile",
-    "account",
-    "login",
-    "submit",
-    "cancel",
-    "save",
-    "delete",
-    "next",
-    "back",
-    "home",
-    "screen",
-    "image",
-    "page",
-    "link",
-    "field",
-    "form",
-    "list",
-    "item",
-    "table",
-    "row",
-    "column",
-    "value",
-    "name",
-    "date",
-    "time",
-    "user",
-]
+from gateway.probe import WORDS  # one vocabulary for the probe and the tests
 
 
 def long_prompt(seed: int, words: int = 300) -> str:
