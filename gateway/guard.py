@@ -353,6 +353,10 @@ class Guard:
         trace: Trace,
     ) -> Attempt:
         body = body_with(request, attempt_overrides(request, salt))
+        if trace.attempts > 1:
+            # A distinct upstream id per attempt: vLLM may still be aborting the
+            # previous one, and its logs then tell the attempts apart.
+            headers = {**headers, "x-request-id": f"{headers['x-request-id']}-a{trace.attempts}"}
         opened = time.perf_counter()
         response = await backend.open("POST", request.path, headers=headers, body=body)
         attempt = Attempt(

@@ -94,6 +94,8 @@ class VLLMServer:
             "--dtype", "float32", "--max-model-len", "2048",
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--host", "127.0.0.1", "--port", str(self.port),
+            # Request ids in the log, so tests can see vLLM abort a discarded attempt.
+            "--enable-log-requests",
             *([] if self.fixed else ["--scheduler-cls", "poison_scheduler.PoisonScheduler"]),
             *self.extra_args,
         ]  # fmt: skip

@@ -57,6 +57,12 @@ class RunningVLLM:
                 total += float(value)
         return total
 
+    def log_text(self) -> str:
+        """The server log (the session's own server, or VLLM_GUARD_TEST_VLLM_LOG)."""
+        if self.server is not None:
+            return self.server.log_text()
+        return Path(os.environ["VLLM_GUARD_TEST_VLLM_LOG"]).read_text(errors="replace")
+
     def reset_prefix_cache(self) -> None:
         httpx.post(self.url + "/reset_prefix_cache", timeout=30).raise_for_status()
 

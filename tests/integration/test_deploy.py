@@ -109,7 +109,7 @@ def substitute(expr: str, model: str, backend: str) -> str:
     return (
         expr.replace("$model", model)
         .replace("$backend", backend)
-        .replace("$__rate_interval", "1m")
+        .replace("$__rate_interval", "5m")
         .replace("$__range", "10m")
     )
 
@@ -139,6 +139,7 @@ def test_every_dashboard_panel_returns_data(vllm: RunningVLLM, gateway_for: Gate
         upstream={"metrics_scrape_interval_s": 1.0},
     )
     with PrometheusServer({"vllm-guard": f"127.0.0.1:{gateway.port}"}) as prom:
+        prom.wait_for_scrape_after(time.time(), "vllm-guard")  # scraping before traffic starts
         client = openai_client(gateway.url)
         seed = int(time.time()) % 100_000
         poison = {"vllm_xargs": {"vg_poison_rate": 0.15}}
