@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 import orjson
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from gateway.config import (
     AfterRelease,
@@ -46,6 +46,7 @@ from gateway.errors import (
 )
 from gateway.evidence import EvidenceRecord, EvidenceStore, prompt_fingerprint
 from gateway.metrics import Metrics
+from gateway.relay import RelayResponse
 from gateway.request import GuardedRequest, attempt_overrides, body_with
 from gateway.retry import RetryBudget, SaltMemory, conversation_key
 from gateway.salt import fresh_salt
@@ -446,7 +447,7 @@ class Guard:
         self.metrics.overhead.labels(trace.request.endpoint, "true").observe(
             max(0.0, now - trace.started - trace.upstream_s)
         )
-        return StreamingResponse(
+        return RelayResponse(
             self._relay(attempt, trace, verdict),
             status_code=200,
             headers=headers,

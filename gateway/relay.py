@@ -1,0 +1,64 @@
+"""The client side of a released stream.
+
+Starlette's StreamingResponse watches for a client disconnect with an anyio task
+group per response (two tasks and a cancel scope); profiling put that at about
+15% of a streamed request's gateway CPU. ``RelayResponse`` does the same job with
+one watcher task: when the client goes away it cancels the relay, whose
+``finally`` closes the upstream response so vLLM aborts the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+
+class RelayResponse(Response):
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        *,
+        status_code: int = 200,
+        headers: Mapping[str, str] | None = None,
+        media_type: str | None = None,
+    ) -> None:
+        self.chunks = chunks
+        self.status_code = status_code
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        current = asyncio.current_task()
+        assert current is not None
+        disconnected = False
+
+        async def watch() -> None:
+            nonlocal disconnected
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            current.cancel()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not disconnected:
+                raise  # the server is stopping this request, not the client
+            current.uncancel()
+        finally:
+            watcher.cancel()
+            await self.chunks.aclose()  # type: ignore[attr-defined]
