@@ -7,7 +7,7 @@ VLLM_VENV ?= $(HOME)/.cache/vllm-guard/vllm-venv
 CONFIG ?= config/vllm-guard.yaml
 export VLLM_VENV
 
-.PHONY: setup run test lint unit vllm prometheus tiny-vllm demo bench soak clean
+.PHONY: setup run test lint unit vllm prometheus tiny-vllm demo bench bench-proxy soak clean
 
 $(BIN)/vllm-guard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ demo: setup ## the tiny vLLM with a poisoned prefix cache, direct vs. through th
 
 bench: setup vllm ## gateway vs. direct: latency, poisoned workload, detector cost
 	$(BIN)/python tests/perf/bench_gateway.py
+
+LITELLM_VENV ?= $(HOME)/.cache/vllm-guard/litellm-venv
+bench-proxy: setup ## the gateway's own cost vs. nginx and LiteLLM, against a fast stub
+	@command -v nginx >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; }
+	@test -x $(LITELLM_VENV)/bin/litellm || { $(PYTHON) -m venv $(LITELLM_VENV) && $(LITELLM_VENV)/bin/pip install -q 'litellm[proxy]'; }
+	$(BIN)/python tests/perf/bench_proxy.py
 
 soak: setup vllm ## 10,000 requests at c=32 with poisoning on
 	$(BIN)/python tests/perf/soak.py

@@ -1,12 +1,14 @@
-"""The gateway's own cost, against a fast stub backend (so only the proxy shows).
+"""The gateway's own cost against a fast stub backend, beside nginx and LiteLLM.
 
-    .venv/bin/python tests/perf/bench_proxy.py [--rounds 3]
+    make bench-proxy        # installs nginx (Debian) and LiteLLM (own venv) if missing
+    .venv/bin/python tests/perf/bench_proxy.py [--rounds 3] [--peers nginx,litellm]
 
-One gateway process (one worker) in front of an aiohttp stub that answers
-instantly. Interleaved and repeated: small non-streaming requests (~1.3 KB body)
-at c=1 and c=32, streams of 24 SSE events, and ~3 MB bodies (three base64
-screenshots). Prints requests/s, p50/p99 direct and through the gateway, the
-added latency, and the gateway's CPU time per request / per event (from /proc).
+Every proxy is one process in front of the same aiohttp stub that answers
+instantly, so only the proxy's own cost shows. Interleaved and repeated: small
+non-streaming requests (~1.3 KB body) at c=1 and c=32, streams of 24 SSE events,
+and ~3 MB bodies (three base64 screenshots). Prints requests/s, p50/p99, the
+added latency against going direct, and each proxy's CPU time per request / per
+event (from /proc), in one table.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -63,6 +68,91 @@ app.router.add_post("/v1/chat/completions", chat)
 app.router.add_get("/health", health)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
 """
+
+
+LITELLM_VENV = Path(os.environ.get("LITELLM_VENV", Path.home() / ".cache/vllm-guard/litellm-venv"))
+NGINX_CONF = """
+worker_processes 1;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_max_body_size 64m;
+  client_body_buffer_size 4m;
+  upstream stub {{ server 127.0.0.1:{stub}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://stub;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+class PeerProcess:
+    """A proxy under test: a started process, its URL and its CPU time."""
+
+    def __init__(self, name: str, command: list[str], port: int, ready_path: str) -> None:
+        self.name, self.command, self.port, self.ready_path = name, command, port, ready_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> PeerProcess:
+        log = (ARTIFACTS / f"peer-{self.name}.log").open("wb")
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+        wait_http(self.url + self.ready_path, 120, self.process)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+    def cpu_seconds(self) -> float:
+        assert self.process is not None
+        total = 0.0
+        for pid in [self.process.pid, *_children(self.process.pid)]:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    return [int(c) for c in children]
+
+
+def nginx_peer(stub_port: int) -> PeerProcess:
+    directory = Path(tempfile.mkdtemp(prefix="bench-nginx-"))
+    port = free_port()
+    conf = directory / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(dir=directory, stub=stub_port, port=port))
+    command = ["nginx", "-c", str(conf), "-p", str(directory), "-g", "daemon off;"]
+    return PeerProcess("nginx", command, port, "/health")
+
+
+def litellm_peer(stub_url: str) -> PeerProcess:
+    directory = Path(tempfile.mkdtemp(prefix="bench-litellm-"))
+    port = free_port()
+    config = directory / "config.yaml"
+    config.write_text(
+        "model_list:\n  - model_name: stub\n    litellm_params:\n"
+        f"      model: openai/stub\n      api_base: {stub_url}/v1\n      api_key: none\n"
+    )
+    command = [str(LITELLM_VENV / "bin" / "litellm"), "--config", str(config),
+               "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]  # fmt: skip
+    return PeerProcess("litellm", command, port, "/health/liveliness")
 
 
 @dataclass
@@ -112,6 +202,7 @@ async def load(url: str, body: bytes, requests: int, concurrency: int) -> Run:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--peers", default="nginx,litellm", help="comma list; '' for none")
     args = parser.parse_args()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -127,39 +218,50 @@ def main() -> None:
         ("3 MB body, c=1", large_body(), 1, 40, 1),
     ]
     try:
-        with GatewayProcess(
-            stub_url, "proxy-bench", guard={"stream": {"holdback_chars": 32}}
-        ) as gw:
+        with ExitStack() as stack:
+            gateway = stack.enter_context(GatewayProcess(stub_url, "proxy-bench"))
+            proxies: list[tuple[str, Any]] = [("vllm-guard", gateway)]
+            peers = [p for p in args.peers.split(",") if p]
+            if "nginx" in peers:
+                proxies.append(("nginx", stack.enter_context(nginx_peer(port))))
+            if "litellm" in peers:
+                proxies.append(("LiteLLM", stack.enter_context(litellm_peer(stub_url))))
             lines = [
-                "| scenario | direct req/s | gateway req/s | direct p50 / p99 ms "
-                "| gateway p50 / p99 ms | added p50 ms | p99/p50 | gateway CPU per request "
-                "| per event |",
-                "|---|---|---|---|---|---|---|---|---|",
+                "| scenario | proxy | req/s (direct) | p50 / p99 ms (direct) | added p50 / p99 ms "
+                "| p99/p50 | CPU per request | CPU per event |",
+                "|---|---|---|---|---|---|---|---|",
             ]
             for name, body, concurrency, requests, events in scenarios:
                 direct: list[Run] = []
-                through: list[Run] = []
-                cpu = 0.0
-                for _ in range(args.rounds):  # interleaved
+                through: dict[str, list[Run]] = {p: [] for p, _ in proxies}
+                cpu = dict.fromkeys(through, 0.0)
+                for _ in range(args.rounds):  # interleaved: direct, each proxy, direct, ...
                     direct.append(asyncio.run(load(stub_url, body, requests, concurrency)))
-                    before = gw.cpu_seconds()
-                    through.append(asyncio.run(load(gw.url, body, requests, concurrency)))
-                    cpu += gw.cpu_seconds() - before
+                    for proxy_name, proxy in proxies:
+                        n = requests if proxy_name != "LiteLLM" else max(10, requests // 10)
+                        before = proxy.cpu_seconds()
+                        run = asyncio.run(load(proxy.url, body, n, concurrency))
+                        through[proxy_name].append(run)
+                        cpu[proxy_name] += (proxy.cpu_seconds() - before) / n
                 d = [x for r in direct for x in r.latencies]
-                g = [x for r in through for x in r.latencies]
-                per_request = cpu / (requests * args.rounds)
-                d50, d99, g50, g99 = pct(d, 0.5), pct(d, 0.99), pct(g, 0.5), pct(g, 0.99)
-                per_event = f"{per_request / events * 1e6:.0f} µs" if events > 1 else "-"
-                lines.append(
-                    f"| {name} | {sum(r.rps for r in direct) / len(direct):.0f} "
-                    f"| {sum(r.rps for r in through) / len(through):.0f} "
-                    f"| {d50 * 1000:.2f} / {d99 * 1000:.2f} | {g50 * 1000:.2f} / {g99 * 1000:.2f} "
-                    f"| {(g50 - d50) * 1000:+.2f} | {g99 / g50:.1f} "
-                    f"| {per_request * 1000:.2f} ms | {per_event} |"
-                )
-                print(lines[-1], flush=True)
+                d50, d99 = pct(d, 0.5), pct(d, 0.99)
+                d_rps = sum(r.rps for r in direct) / len(direct)
+                for proxy_name, runs in through.items():
+                    g = [x for r in runs for x in r.latencies]
+                    g50, g99 = pct(g, 0.5), pct(g, 0.99)
+                    per_request = cpu[proxy_name] / args.rounds
+                    per_event = f"{per_request / events * 1e6:.0f} µs" if events > 1 else "-"
+                    lines.append(
+                        f"| {name} | {proxy_name} "
+                        f"| {sum(r.rps for r in runs) / len(runs):.0f} ({d_rps:.0f}) "
+                        f"| {g50 * 1000:.2f} / {g99 * 1000:.2f} "
+                        f"({d50 * 1000:.2f} / {d99 * 1000:.2f}) "
+                        f"| {(g50 - d50) * 1000:+.2f} / {(g99 - d99) * 1000:+.2f} "
+                        f"| {g99 / g50:.1f} | {per_request * 1000:.2f} ms | {per_event} |"
+                    )
+                    print(lines[-1], flush=True)
         report = "\n".join(
-            [f"## Gateway's own cost vs. a fast stub (1 worker, MALLOC_TRIM_THRESHOLD_={env_note})",
+            [f"## Proxy cost vs. a fast stub (one process each; MALLOC_TRIM_THRESHOLD_={env_note})",
              "", *lines]
         )  # fmt: skip
         (ARTIFACTS / "proxy-report.md").write_text(report + "\n")
