@@ -43,6 +43,27 @@ def _prepare_multiprocess_metrics(settings: Settings) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
 
 
+def tune_malloc() -> None:
+    """glibc malloc: serve large blocks from a heap that keeps its memory, instead of
+    fresh mmap pages on every request (the image sets the same MALLOC_*_ variables).
+    Measured on this kind of VM, where touching fresh memory is slow: a 3 MB
+    screenshot request cost 32 ms of gateway CPU by default, 11 ms tuned."""
+    if sys.platform != "linux" or os.environ.get("MALLOC_TRIM_THRESHOLD_"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 256 << 20)
+    # Worker processes inherit the environment, not mallopt: pass it on.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(32 << 20)
+    os.environ["MALLOC_TRIM_THRESHOLD_"] = str(256 << 20)
+
+
 def serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(args.config, _serve_overrides(args))
@@ -52,6 +73,7 @@ def serve(args: argparse.Namespace) -> int:
     # prometheus_client picks its value class when it is first imported, so the
     # multiprocess directory must be set before anything imports it.
     _prepare_multiprocess_metrics(settings)
+    tune_malloc()
     import uvicorn
 
     from gateway.app import RESOLVED_SETTINGS_ENV

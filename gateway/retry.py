@@ -78,10 +78,27 @@ def conversation_key(
             return None
         lead = prompt[: settings.fingerprint_prompt_chars]
     try:
-        encoded = orjson.dumps([endpoint, body.get("model"), client_salt, lead])
+        encoded = orjson.dumps([endpoint, body.get("model"), client_salt, _bounded(lead)])
     except TypeError:
         return None
     return hashlib.blake2b(encoded, digest_size=16).hexdigest()
+
+
+_LONG_STRING = 4096
+
+
+def _bounded(value: object) -> object:
+    """A small stand-in for a JSON value: long strings (base64 screenshots) become
+    their length, head and tail, so fingerprinting a 3 MB request hashes kilobytes."""
+    if isinstance(value, str):
+        if len(value) > _LONG_STRING:
+            return ["\x00long", len(value), value[:1024], value[-1024:]]
+        return value
+    if isinstance(value, list):
+        return [_bounded(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _bounded(item) for key, item in value.items()}
+    return value
 
 
 class SaltMemory:

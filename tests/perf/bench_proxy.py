@@ -97,8 +97,18 @@ http {{
 class PeerProcess:
     """A proxy under test: a started process, its URL and its CPU time."""
 
-    def __init__(self, name: str, command: list[str], port: int, ready_path: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        port: int,
+        ready_path: str,
+        env: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.name, self.command, self.port, self.ready_path = name, command, port, ready_path
+        self.env = {**os.environ, **(env or {})}
+        self.headers = headers or {}
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -107,7 +117,9 @@ class PeerProcess:
 
     def __enter__(self) -> PeerProcess:
         log = (ARTIFACTS / f"peer-{self.name}.log").open("wb")
-        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env
+        )
         wait_http(self.url + self.ready_path, 120, self.process)
         return self
 
@@ -152,7 +164,11 @@ def litellm_peer(stub_url: str) -> PeerProcess:
     )
     command = [str(LITELLM_VENV / "bin" / "litellm"), "--config", str(config),
                "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]  # fmt: skip
-    return PeerProcess("litellm", command, port, "/health/liveliness")
+    key = "sk-bench-" + "0" * 32
+    return PeerProcess(
+        "litellm", command, port, "/health/liveliness",
+        env={"LITELLM_MASTER_KEY": key}, headers={"Authorization": f"Bearer {key}"},
+    )  # fmt: skip
 
 
 @dataclass
@@ -177,10 +193,12 @@ def large_body() -> bytes:
     return orjson.dumps({"model": "stub", "messages": [{"role": "user", "content": content}]})
 
 
-async def load(url: str, body: bytes, requests: int, concurrency: int) -> Run:
+async def load(
+    url: str, body: bytes, requests: int, concurrency: int, auth: dict[str, str] | None = None
+) -> Run:
     latencies: list[float] = []
     queue = list(range(requests))
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": "application/json", **(auth or {})}
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
 
@@ -240,7 +258,8 @@ def main() -> None:
                     for proxy_name, proxy in proxies:
                         n = requests if proxy_name != "LiteLLM" else max(10, requests // 10)
                         before = proxy.cpu_seconds()
-                        run = asyncio.run(load(proxy.url, body, n, concurrency))
+                        auth = getattr(proxy, "headers", None)
+                        run = asyncio.run(load(proxy.url, body, n, concurrency, auth))
                         through[proxy_name].append(run)
                         cpu[proxy_name] += (proxy.cpu_seconds() - before) / n
                 d = [x for r in direct for x in r.latencies]
