@@ -55,27 +55,34 @@ ARTIFACTS = Path(os.environ.get("VLLM_GUARD_BENCH_ARTIFACTS", "/tmp/vllm-guard-b
 # -- processes ----------------------------------------------------------------------------
 
 
-class GatewayProcess:
-    def __init__(self, backend: str, name: str, **config: Any) -> None:
-        self.port = free_port()
-        self.name = name
-        config.setdefault("upstream", {})["backends"] = [{"name": "vllm", "url": backend}]
-        self.config_path = Path(tempfile.mkdtemp()) / "config.yaml"
-        self.config_path.write_text(yaml.safe_dump(config))
+class ServiceProcess:
+    """A server under test: a started process, its URL, and its CPU time (with children)."""
+
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        port: int,
+        ready_path: str,
+        env: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.name, self.command, self.port, self.ready_path = name, command, port, ready_path
+        self.env = {**os.environ, **(env or {})}
+        #: Headers every request to it needs (an API key).
+        self.headers = headers or {}
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> GatewayProcess:
-        log = (ARTIFACTS / f"gateway-{self.name}.log").open("wb")
+    def __enter__(self) -> Any:
+        log = (ARTIFACTS / f"{self.name}.log").open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--config", str(self.config_path),
-             "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        wait_http(self.url + "/readyz", 60, self.process)
+            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env
+        )
+        wait_http(self.url + self.ready_path, 120, self.process)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -85,9 +92,30 @@ class GatewayProcess:
 
     def cpu_seconds(self) -> float:
         assert self.process is not None
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks = os.sysconf("SC_CLK_TCK")
-        return (int(fields[11]) + int(fields[12])) / ticks
+        total = 0.0
+        for pid in [self.process.pid, *_children(self.process.pid)]:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    return [int(c) for c in children]
+
+
+class GatewayProcess(ServiceProcess):
+    def __init__(self, backend: str, name: str, **config: Any) -> None:
+        config.setdefault("upstream", {})["backends"] = [{"name": "vllm", "url": backend}]
+        config_path = Path(tempfile.mkdtemp()) / "config.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        port = free_port()
+        command = [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config_path),
+                   "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        super().__init__(f"gateway-{name}", command, port, "/readyz")
 
     def metric_sum(self, name: str, **labels: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=10).text

@@ -25,7 +25,6 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import orjson
@@ -34,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "perf"))
 sys.path.insert(0, str(ROOT))
 
-from bench_gateway import ARTIFACTS, GatewayProcess, pct  # noqa: E402
+from bench_gateway import ARTIFACTS, GatewayProcess, ServiceProcess, pct  # noqa: E402
 
 from gateway.localvllm import free_port, wait_http  # noqa: E402
 
@@ -94,67 +93,16 @@ http {{
 """
 
 
-class PeerProcess:
-    """A proxy under test: a started process, its URL and its CPU time."""
-
-    def __init__(
-        self,
-        name: str,
-        command: list[str],
-        port: int,
-        ready_path: str,
-        env: dict[str, str] | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        self.name, self.command, self.port, self.ready_path = name, command, port, ready_path
-        self.env = {**os.environ, **(env or {})}
-        self.headers = headers or {}
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> PeerProcess:
-        log = (ARTIFACTS / f"peer-{self.name}.log").open("wb")
-        self.process = subprocess.Popen(
-            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env
-        )
-        wait_http(self.url + self.ready_path, 120, self.process)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=30)
-
-    def cpu_seconds(self) -> float:
-        assert self.process is not None
-        total = 0.0
-        for pid in [self.process.pid, *_children(self.process.pid)]:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return []
-    return [int(c) for c in children]
-
-
-def nginx_peer(stub_port: int) -> PeerProcess:
+def nginx_peer(stub_port: int) -> ServiceProcess:
     directory = Path(tempfile.mkdtemp(prefix="bench-nginx-"))
     port = free_port()
     conf = directory / "nginx.conf"
     conf.write_text(NGINX_CONF.format(dir=directory, stub=stub_port, port=port))
     command = ["nginx", "-c", str(conf), "-p", str(directory), "-g", "daemon off;"]
-    return PeerProcess("nginx", command, port, "/health")
+    return ServiceProcess("peer-nginx", command, port, "/health")
 
 
-def litellm_peer(stub_url: str) -> PeerProcess:
+def litellm_peer(stub_url: str) -> ServiceProcess:
     directory = Path(tempfile.mkdtemp(prefix="bench-litellm-"))
     port = free_port()
     config = directory / "config.yaml"
@@ -165,8 +113,8 @@ def litellm_peer(stub_url: str) -> PeerProcess:
     command = [str(LITELLM_VENV / "bin" / "litellm"), "--config", str(config),
                "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]  # fmt: skip
     key = "sk-bench-" + "0" * 32
-    return PeerProcess(
-        "litellm", command, port, "/health/liveliness",
+    return ServiceProcess(
+        "peer-litellm", command, port, "/health/liveliness",
         env={"LITELLM_MASTER_KEY": key}, headers={"Authorization": f"Bearer {key}"},
     )  # fmt: skip
 
@@ -238,7 +186,7 @@ def main() -> None:
     try:
         with ExitStack() as stack:
             gateway = stack.enter_context(GatewayProcess(stub_url, "proxy-bench"))
-            proxies: list[tuple[str, Any]] = [("vllm-guard", gateway)]
+            proxies: list[tuple[str, ServiceProcess]] = [("vllm-guard", gateway)]
             peers = [p for p in args.peers.split(",") if p]
             if "nginx" in peers:
                 proxies.append(("nginx", stack.enter_context(nginx_peer(port))))
@@ -258,8 +206,7 @@ def main() -> None:
                     for proxy_name, proxy in proxies:
                         n = requests if proxy_name != "LiteLLM" else max(10, requests // 10)
                         before = proxy.cpu_seconds()
-                        auth = getattr(proxy, "headers", None)
-                        run = asyncio.run(load(proxy.url, body, n, concurrency, auth))
+                        run = asyncio.run(load(proxy.url, body, n, concurrency, proxy.headers))
                         through[proxy_name].append(run)
                         cpu[proxy_name] += (proxy.cpu_seconds() - before) / n
                 d = [x for r in direct for x in r.latencies]
