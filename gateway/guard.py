@@ -559,8 +559,8 @@ class Guard:
             if (attempt.verdict.degenerate if degenerate is None else degenerate)
             else "clean"
         )
-        self.metrics.prompt_tokens.labels(trace.model, backend, label).inc(usage.prompt_tokens)
         if usage.cached_tokens is None:
+            # Counting prompt tokens alone would read as a 0% hit rate: leave both.
             if backend not in self._tokens_unreported:
                 self._tokens_unreported.add(backend)
                 log.warning(
@@ -569,6 +569,7 @@ class Guard:
                     backend,
                 )
             return
+        self.metrics.prompt_tokens.labels(trace.model, backend, label).inc(usage.prompt_tokens)
         self.metrics.cached_prompt_tokens.labels(trace.model, backend, label).inc(
             usage.cached_tokens
         )

@@ -3,6 +3,7 @@ upstream 503, a backend that never answers, bad bodies and limits."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -156,3 +157,48 @@ def test_oversized_body_is_413(stub: StubBackend, gateway_for: GatewayFactory) -
     )
     assert chunked.status_code == 413
     assert stub.state.requests == []
+
+
+def test_backend_without_cached_tokens_leaves_token_metrics_alone(
+    stub: StubBackend, gateway_for: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stub's usage has no prompt_tokens_details, like vLLM without
+    --enable-prompt-tokens-details: say so once, write no token counts (not zeros)."""
+    gateway = gateway_for(stub.url)
+    for _ in range(3):
+        assert httpx.post(gateway.url + "/v1/chat/completions", json=BODY).status_code == 200
+    metrics = httpx.get(gateway.url + "/metrics").text
+    assert "vllm_guard_prompt_tokens_total{" not in metrics
+    assert "vllm_guard_cached_prompt_tokens_total{" not in metrics
+    assert caplog.text.count("does not report cached_tokens") == 1
+
+
+def test_connect_timeout(gateway_for: GatewayFactory) -> None:
+    """A backend whose accept queue is full never completes the TCP handshake."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(4):  # fill the accept queue; later SYNs are dropped
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    try:
+        gateway = gateway_for(
+            f"http://127.0.0.1:{port}",
+            upstream={"timeouts": {"connect_s": 0.5, "pool_s": 0.5}, "health_interval_s": 60},
+        )
+        gateway.runtime.pool.backends[0].mark(True)  # the startup health check failed
+        started = time.monotonic()
+        response = httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=20)
+        elapsed = time.monotonic() - started
+        assert response.status_code == 504
+        assert response.json()["error"]["code"] == "upstream_timeout"
+        assert elapsed < 5
+    finally:
+        for s in [listener, *fillers]:
+            s.close()
