@@ -69,6 +69,9 @@ class UpstreamSettings(_Strict):
     api_key: str | None = None
     timeouts: TimeoutSettings = TimeoutSettings()
     max_connections: Annotated[int, Field(ge=1)] = 512
+    #: Idle upstream connections are closed after this long; keep it below the
+    #: backend's keep-alive timeout (vLLM/uvicorn: 5 s).
+    keepalive_s: Annotated[float, Field(gt=0)] = 4.0
     health_interval_s: Annotated[float, Field(gt=0)] = 5.0
     #: How often each backend's own /metrics is scraped (prefix-cache hit ratio).
     metrics_scrape_interval_s: Annotated[float, Field(gt=0)] = 15.0

@@ -83,12 +83,25 @@ class Backend:
         body: bytes | AsyncIterator[bytes] | None,
         params: str = "",
     ) -> aiohttp.ClientResponse:
-        """Send a request and return the response with its body still unread."""
+        """Send a request and return the response with its body still unread.
+
+        A pooled keep-alive connection that the backend closed while it sat idle
+        (uvicorn, vLLM's server, closes after 5 s) fails before the backend has read
+        anything; a replayable body is then sent once more on a fresh connection.
+        """
         url = self.url + path + (f"?{params}" if params else "")
         with map_transport_errors(self):
-            return await self.session.request(
-                method, url, headers=dict(headers), data=body, allow_redirects=False
-            )
+            try:
+                return await self.session.request(
+                    method, url, headers=dict(headers), data=body, allow_redirects=False
+                )
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                if not isinstance(body, bytes | None):
+                    raise  # a streamed body cannot be replayed
+                log.info("backend %s closed a pooled connection; resending once", self.name)
+                return await self.session.request(
+                    method, url, headers=dict(headers), data=body, allow_redirects=False
+                )
 
     async def probe_health(self, timeout_s: float) -> bool:
         try:
@@ -130,6 +143,9 @@ def new_session(settings: UpstreamSettings) -> aiohttp.ClientSession:
         limit_per_host=settings.max_connections,
         ttl_dns_cache=300,
         enable_cleanup_closed=True,
+        # Below uvicorn's (vLLM's server) 5 s keep-alive, so the gateway drops an
+        # idle connection before the backend does.
+        keepalive_timeout=settings.keepalive_s,
     )
     return aiohttp.ClientSession(
         connector=connector,

@@ -202,3 +202,52 @@ def test_connect_timeout(gateway_for: GatewayFactory) -> None:
     finally:
         for s in [listener, *fillers]:
             s.close()
+
+
+def test_backend_closing_a_pooled_connection_is_not_an_error(gateway_for: GatewayFactory) -> None:
+    """A keep-alive connection the backend closed while idle fails before the backend
+    read anything: the gateway resends once on a fresh connection, the client sees 200."""
+    import asyncio
+    import threading
+
+    answer = orjson.dumps(
+        {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "fine"}}]}
+    )
+    ready = threading.Event()
+    port_box: list[int] = []
+
+    async def serve() -> None:
+        async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            # Answer the first request on a connection, then drop the connection
+            # without answering the next one: a keep-alive close racing a reuse.
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(
+                next(
+                    line.split(b":")[1]
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+            )
+            await reader.readexactly(length)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(answer), answer)
+            )
+            await writer.drain()
+            await reader.readuntil(b"\r\n\r\n")
+            writer.close()
+
+        server = await asyncio.start_server(connection, "127.0.0.1", 0)
+        port_box.append(server.sockets[0].getsockname()[1])
+        ready.set()
+        await asyncio.sleep(30)
+
+    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
+    thread.start()
+    ready.wait(5)
+    gateway = gateway_for(f"http://127.0.0.1:{port_box[0]}", upstream={"health_interval_s": 60})
+    gateway.runtime.pool.backends[0].mark(True)  # this raw server has no /health
+    for _ in range(3):
+        response = httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=10)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"] == "fine"
