@@ -31,56 +31,55 @@ from gateway.localvllm import (
 )
 
 __all__ = [
-    "MODEL_NAME", "SUPPORT", "GatewayServer", "VLLMServer", "ensure_model", "free_port",
+    "MODEL_NAME", "SUPPORT", "GatewayServer", "ThreadedServer", "VLLMServer", "ensure_model",
+    "free_port",
     "gateway_settings", "vllm_python", "wait_http",
 ]  # fmt: skip
 
 
-class GatewayServer:
-    """The gateway app in a real uvicorn on a real socket, in a background thread."""
+class ThreadedServer:
+    """An ASGI app in a real uvicorn on a real socket, in a background thread.
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.port = free_port()
-        self.app = create_app(settings)
+    (httpx's test conftest does the same: wait for ``started``, never sleep.)"""
+
+    def __init__(self, app: Any, port: int | None = None, *, grace_s: int = 5) -> None:
+        self.app = app
+        self.port = port or free_port()
         config = uvicorn.Config(
-            self.app,
-            host="127.0.0.1",
-            port=self.port,
-            log_level="warning",
-            loop="asyncio",
-            lifespan="on",
-            timeout_graceful_shutdown=5,
-        )
+            app, host="127.0.0.1", port=self.port, log_level="warning", loop="asyncio",
+            lifespan="on", timeout_graceful_shutdown=grace_s,
+        )  # fmt: skip
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    def _run(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.server.serve())
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    @property
-    def runtime(self) -> Any:
-        return self.app.state.runtime
-
-    def __enter__(self) -> GatewayServer:
+    def __enter__(self) -> Any:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("gateway did not start")
+                raise RuntimeError(f"{type(self).__name__} did not start")
             time.sleep(0.02)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
+
+
+class GatewayServer(ThreadedServer):
+    """The gateway app (``create_app(settings)``) on a real socket."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        super().__init__(create_app(settings))
+
+    @property
+    def runtime(self) -> Any:
+        return self.app.state.runtime
 
 
 def gateway_settings(backend_urls: list[str] | str, **sections: Any) -> Settings:

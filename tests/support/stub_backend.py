@@ -8,17 +8,14 @@ tested against real vLLM.
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import AsyncIterator
 
 import orjson
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from support.servers import free_port
+from support.servers import ThreadedServer
 
 
 def chunk(content: str | None = None, finish: str | None = None, role: bool = False) -> bytes:
@@ -119,30 +116,7 @@ def build_app(state: StubState) -> Starlette:
     )
 
 
-class StubBackend:
+class StubBackend(ThreadedServer):
     def __init__(self, port: int | None = None) -> None:
         self.state = StubState()
-        self.port = port or free_port()
-        config = uvicorn.Config(
-            build_app(self.state), host="127.0.0.1", port=self.port, log_level="error",
-            loop="asyncio", timeout_graceful_shutdown=1,
-        )  # fmt: skip
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> StubBackend:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("stub backend did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=5)
+        super().__init__(build_app(self.state), port, grace_s=1)
