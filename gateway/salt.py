@@ -39,11 +39,3 @@ def fresh_salt(client_salt: str | None) -> str:
         return f"vg.{nonce}"
     tenant = hashlib.sha256(client_salt.encode("utf-8")).hexdigest()[:32]
     return f"vg.{tenant}.{nonce}"
-
-
-def belongs_to(salt: str, client_salt: str | None) -> bool:
-    """Whether a remembered gateway salt may be reused for this client salt."""
-    if client_salt is None:
-        return salt.count(".") == 1
-    tenant = hashlib.sha256(client_salt.encode("utf-8")).hexdigest()[:32]
-    return salt.startswith(f"vg.{tenant}.")

@@ -12,9 +12,8 @@ import asyncio
 import contextlib
 import logging
 import random
-import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -53,9 +52,6 @@ class Backend:
     settings: BackendSettings
     session: aiohttp.ClientSession
     healthy: bool = True
-    #: Consecutive failed health checks / transport errors.
-    failures: int = 0
-    last_change: float = field(default_factory=time.monotonic)
 
     @property
     def name(self) -> str:
@@ -71,8 +67,6 @@ class Backend:
                 "backend %s is now %s", self.name, "healthy" if healthy else "out of rotation"
             )
             self.healthy = healthy
-            self.last_change = time.monotonic()
-        self.failures = 0 if healthy else self.failures + 1
 
     async def open(
         self,
