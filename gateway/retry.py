@@ -88,17 +88,26 @@ _LONG_STRING = 4096
 
 
 def _bounded(value: object) -> object:
-    """A small stand-in for a JSON value: long strings (base64 screenshots) become
-    their length, head and tail, so fingerprinting a 3 MB request hashes kilobytes."""
+    """A small stand-in for the leading messages: their text only.
+
+    Content parts that are not text (screenshots, audio) are left out: agents
+    keep a sliding window of images, so the first messages lose theirs as the
+    conversation goes on, and a fingerprint that included them would change every
+    turn. Long strings become their length, head and tail, so fingerprinting a
+    3 MB request hashes kilobytes."""
     if isinstance(value, str):
         if len(value) > _LONG_STRING:
             return ["\x00long", len(value), value[:1024], value[-1024:]]
         return value
     if isinstance(value, list):
-        return [_bounded(item) for item in value]
+        return [_bounded(item) for item in value if not _is_media_part(item)]
     if isinstance(value, dict):
         return {key: _bounded(item) for key, item in value.items()}
     return value
+
+
+def _is_media_part(item: object) -> bool:
+    return isinstance(item, dict) and item.get("type", "text") != "text"
 
 
 class SaltMemory:

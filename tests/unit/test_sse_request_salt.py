@@ -224,3 +224,28 @@ def test_conversation_key_uses_leading_messages_and_client_salt() -> None:
     assert conversation_key("chat", base, None, cfg) == conversation_key("chat", longer, None, cfg)
     assert conversation_key("chat", base, None, cfg) != conversation_key("chat", base, "t", cfg)
     assert conversation_key("chat", {"messages": []}, None, cfg) is None
+
+
+def test_conversation_key_ignores_sliding_screenshots() -> None:
+    """Agents drop old screenshots from early messages: the key must not change."""
+    cfg = SaltReuseSettings(fingerprint_messages=2)
+
+    def turn(images: list[str]) -> dict[str, object]:
+        content = [{"type": "text", "text": "open settings"}] + [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b}"}}
+            for b in images
+        ]
+        return {"messages": [{"role": "system", "content": "agent"},
+                             {"role": "user", "content": content}]}  # fmt: skip
+
+    first = conversation_key("chat", turn(["A" * 100_000]), None, cfg)
+    later = conversation_key("chat", turn([]), None, cfg)
+    assert first == later
+    other_text = turn([])
+    other_text["messages"][1]["content"][0]["text"] = "open the menu"  # type: ignore[index]
+    assert conversation_key("chat", other_text, None, cfg) != first
+    long_text = {"messages": [{"role": "user", "content": "x" * 50_000}]}
+    longer_text = {"messages": [{"role": "user", "content": "x" * 50_001}]}
+    assert conversation_key("chat", long_text, None, cfg) != conversation_key(
+        "chat", longer_text, None, cfg
+    )
