@@ -244,13 +244,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     client_auth = frozenset({"authorization"}) if settings.auth.api_key_sha256 else frozenset()
     guarded_drop = frozenset({"accept-encoding"}) | client_auth
 
+    lead_messages = settings.guard.salt_reuse.fingerprint_messages
+
     async def guarded(request: Request, endpoint: str) -> Response:
         started = time.perf_counter()
         runtime = runtime_of(request)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             raw = await read_body(request, settings.server.max_body_bytes)
-            parsed = parse_guarded(endpoint, raw)
+            parsed = parse_guarded(endpoint, raw, lead_messages)
             headers = forward_headers(
                 request.headers.items(),
                 request_id=request_id,

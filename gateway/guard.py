@@ -525,6 +525,7 @@ class Guard:
         if self.evidence is None:
             return
         request = trace.request
+        body = request.full_body()
         usage = attempt.usage or (attempt.stream.usage if attempt.stream else None)
         try:
             self.evidence.write(
@@ -538,9 +539,9 @@ class Guard:
                     attempt=trace.attempts,
                     prompt_tokens=usage.prompt_tokens if usage else None,
                     cached_tokens=usage.cached_tokens if usage else None,
-                    prompt_fingerprint=prompt_fingerprint(request.body),
+                    prompt_fingerprint=prompt_fingerprint(body),
                     output=attempt.output_text(),
-                    prompt=request.body.get("messages", request.body.get("prompt")),
+                    prompt=body.get("messages", body.get("prompt")),
                 )
             )
         except OSError:

@@ -2,8 +2,12 @@
 
 The first attempt sends the client's bytes unchanged whenever no field has to be
 added. Fields the gateway adds (a retry salt, ``stream_options.include_usage``)
-are spliced into the original bytes when the client did not send them, and the
-body is re-serialised only when an existing field must change.
+are spliced into the original bytes.
+
+Bodies over ``LARGE_BODY`` (agent requests with screenshots) are not decoded
+whole: ``gateway.jsonscan`` finds the top-level fields, and only the routing
+fields and the leading messages are decoded. The rest is checked by vLLM, which
+answers malformed JSON with its own 400.
 """
 
 from __future__ import annotations
@@ -15,15 +19,22 @@ from typing import Any
 import orjson
 
 from gateway.errors import BadRequest, InvalidCacheSalt
+from gateway.jsonscan import Spans, leading_messages, top_level_spans
 from gateway.salt import salt_problem
 
 ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+LARGE_BODY = 512 * 1024
+ROUTING_FIELDS = ("model", "stream", "n", "cache_salt", "stream_options", "prompt")
 
 
 @dataclass(frozen=True, slots=True)
 class GuardedRequest:
     endpoint: str  # "chat" | "completions"
     raw: bytes
+    #: The decoded body; for a large body only the routing fields and the
+    #: leading messages with their media parts reduced to their type (``spans``).
     body: dict[str, Any]
     model: str | None
     stream: bool
@@ -31,20 +42,53 @@ class GuardedRequest:
     client_salt: str | None
     #: The client asked for the final usage chunk of a stream.
     client_wants_usage: bool
+    #: Top-level value spans in ``raw`` when ``body`` is partial, else None.
+    spans: Spans | None = None
 
     @property
     def path(self) -> str:
         return ENDPOINT_PATHS[self.endpoint]
 
+    def full_body(self) -> dict[str, Any]:
+        """The whole decoded body (decodes a large one now; for rare uses only)."""
+        if self.spans is None:
+            return self.body
+        try:
+            decoded = orjson.loads(self.raw)
+        except orjson.JSONDecodeError:
+            return self.body
+        return decoded if isinstance(decoded, dict) else self.body
 
-def parse_guarded(endpoint: str, raw: bytes) -> GuardedRequest:
-    """Validate the few fields the gateway routes on; raise BadRequest otherwise."""
+
+def _partial_body(raw: bytes, lead_messages: int) -> tuple[dict[str, Any], Spans] | None:
+    spans = top_level_spans(raw)
+    if spans is None:
+        return None
     try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc.args[0]}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+        body = {k: orjson.loads(raw[s:e]) for k, (s, e) in spans.items() if k in ROUTING_FIELDS}
+    except orjson.JSONDecodeError:
+        return None
+    if "messages" in spans:
+        lead = leading_messages(raw, spans["messages"], lead_messages)
+        if lead is None:
+            return None
+        body["messages"] = lead
+    return body, spans
+
+
+def parse_guarded(endpoint: str, raw: bytes, lead_messages: int = 2) -> GuardedRequest:
+    """Validate the few fields the gateway routes on; raise BadRequest otherwise."""
+    partial = _partial_body(raw, lead_messages) if len(raw) > LARGE_BODY else None
+    spans: Spans | None = None
+    if partial is not None:
+        body, spans = partial
+    else:
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc.args[0]}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("request body must be a JSON object")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
@@ -76,6 +120,7 @@ def parse_guarded(endpoint: str, raw: bytes) -> GuardedRequest:
         n=n,
         client_salt=client_salt,
         client_wants_usage=wants_usage,
+        spans=spans,
     )
 
 
@@ -83,6 +128,8 @@ def body_with(request: GuardedRequest, overrides: dict[str, Any]) -> bytes:
     """The request body with ``overrides`` applied, as close to the original bytes as possible."""
     if not overrides:
         return request.raw
+    if request.spans is not None:
+        return _splice(request.raw, request.spans, overrides)
     if any(key in request.body for key in overrides):
         merged = {**request.body, **overrides}
         try:
@@ -95,6 +142,19 @@ def body_with(request: GuardedRequest, overrides: dict[str, Any]) -> bytes:
     rest = raw[brace + 1 :]
     separator = b"" if rest.lstrip().startswith(b"}") else b","
     return raw[: brace + 1] + extra + separator + rest
+
+
+def _splice(raw: bytes, spans: Spans, overrides: dict[str, Any]) -> bytes:
+    """Replace existing top-level values in place and add the missing ones."""
+    out = raw
+    for start, end, key in sorted(((*spans[k], k) for k in overrides if k in spans), reverse=True):
+        out = out[:start] + orjson.dumps(overrides[key]) + out[end:]
+    missing = {k: v for k, v in overrides.items() if k not in spans}
+    if missing:
+        brace = out.index(b"{")
+        separator = b"" if out[brace + 1 :].lstrip().startswith(b"}") else b","
+        out = out[: brace + 1] + orjson.dumps(missing)[1:-1] + separator + out[brace + 1 :]
+    return out
 
 
 def attempt_overrides(request: GuardedRequest, salt: str | None) -> dict[str, Any]:
