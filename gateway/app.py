@@ -107,7 +107,7 @@ async def until_disconnect(request: Request, work: Awaitable[_T]) -> _T:
 
     watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        return await work
+        result = await work
     except asyncio.CancelledError:
         if disconnected:
             current.uncancel()
@@ -115,6 +115,13 @@ async def until_disconnect(request: Request, work: Awaitable[_T]) -> _T:
         raise
     finally:
         watcher.cancel()
+    if disconnected:  # the client left just as the work finished
+        current.uncancel()
+        close = getattr(result, "on_close", None)
+        if callable(close):
+            close()  # a released stream nobody will read: close its upstream
+        raise ClientGone
+    return result
 
 
 GUARDED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}

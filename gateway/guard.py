@@ -452,6 +452,7 @@ class Guard:
             status_code=200,
             headers=headers,
             media_type=SSE_MEDIA_TYPE,
+            on_close=attempt.stream.response.close,
         )
 
     async def _relay(self, attempt: Attempt, trace: Trace, verdict: str) -> AsyncIterator[bytes]:

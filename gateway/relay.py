@@ -10,7 +10,7 @@ one watcher task: when the client goes away it cancels the relay, whose
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -24,8 +24,12 @@ class RelayResponse(Response):
         status_code: int = 200,
         headers: Mapping[str, str] | None = None,
         media_type: str | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.chunks = chunks
+        #: Runs at the end whatever happened, even if ``chunks`` never started
+        #: (a generator that never ran does not run its ``finally``).
+        self.on_close = on_close
         self.status_code = status_code
         self.media_type = media_type
         self.background = None
@@ -62,3 +66,5 @@ class RelayResponse(Response):
         finally:
             watcher.cancel()
             await self.chunks.aclose()  # type: ignore[attr-defined]
+            if self.on_close is not None:
+                self.on_close()

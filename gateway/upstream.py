@@ -123,7 +123,9 @@ def map_transport_errors(backend: Backend) -> Iterator[None]:
     except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
         raise BackendUnreachable(f"backend {backend.name} closed the connection") from exc
     except aiohttp.ClientPayloadError as exc:
-        raise UpstreamProtocolError(f"backend {backend.name} sent a broken response") from exc
+        # The body broke off (the backend died mid-response): before release this
+        # fails over like any unreachable backend; after release it ends in-band.
+        raise BackendUnreachable(f"backend {backend.name} broke off its response") from exc
     except aiohttp.ClientResponseError as exc:
         raise UpstreamProtocolError(f"backend {backend.name} sent an invalid response") from exc
     except aiohttp.ClientError as exc:
