@@ -223,7 +223,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         guard = Guard(settings, pool, metrics, evidence=evidence, version_of=scraper.version_of)
         runtime = Runtime(settings, session, pool, metrics, guard, scraper)
         app.state.runtime = runtime
-        await pool.check_all()
+        await pool.check_all(initial=True)
         await scraper.scrape_once()
         pool.start()
         scraper.start()

@@ -52,6 +52,7 @@ class Backend:
     settings: BackendSettings
     session: aiohttp.ClientSession
     healthy: bool = True
+    failed_probes: int = 0
 
     @property
     def name(self) -> str:
@@ -210,11 +211,20 @@ class BackendPool:
             return healthy[0]
         return rng.choices(healthy, weights=[b.settings.weight for b in healthy])[0]
 
-    async def check_all(self) -> None:
-        timeout = min(self.settings.timeouts.connect_s * 2, self.settings.health_interval_s)
+    async def check_all(self, *, initial: bool = False) -> None:
+        # A loaded vLLM can answer /health slowly: give it the connect budget twice
+        # over, and take a backend out only after two failed probes in a row (a
+        # refused connection during a request takes it out at once).
+        timeout = self.settings.timeouts.connect_s * 2
         results = await asyncio.gather(*(b.probe_health(timeout) for b in self.backends))
         for backend, ok in zip(self.backends, results, strict=True):
-            backend.mark(ok)
+            if ok:
+                backend.failed_probes = 0
+                backend.mark(True)
+            else:
+                backend.failed_probes += 1
+                if initial or backend.failed_probes >= 2 or not backend.healthy:
+                    backend.mark(False)
 
     def start(self) -> None:
         self._health.start()
