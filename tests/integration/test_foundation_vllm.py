@@ -170,45 +170,46 @@ def assert_aborted(vllm: RunningVLLM, generated_before: float) -> None:
     assert generated < 1000, f"vLLM generated {generated} tokens: the request was not aborted"
 
 
-def test_stream_disconnect_aborts_in_vllm(vllm: RunningVLLM, gateway: GatewayServer) -> None:
-    """Three tries, for the same known issue as the non-streaming test below."""
-    body = {"model": vllm.model, "messages": MESSAGES, "stream": True, **LONG_GENERATION}
+def assert_a_try_aborts(vllm: RunningVLLM, disconnect: Callable[[], None]) -> None:
+    """KNOWN ISSUE (see the closing note): under CPU load the gateway occasionally
+    does not see a client's disconnect (seen in 1 of 4 full runs and 3 of 6 runs
+    with a busy core), so the scenario gets three tries; it still fails when
+    disconnects are not propagated at all."""
     outcomes = []
     for _ in range(3):
         generated_before = vllm.metric("vllm:generation_tokens_total")
+        disconnect()
+        try:
+            assert_aborted(vllm, generated_before)
+        except AssertionError as exc:
+            outcomes.append(str(exc))
+            continue
+        return
+    raise AssertionError(f"no disconnect was propagated in 3 tries: {outcomes}")
+
+
+def test_stream_disconnect_aborts_in_vllm(vllm: RunningVLLM, gateway: GatewayServer) -> None:
+    body = {"model": vllm.model, "messages": MESSAGES, "stream": True, **LONG_GENERATION}
+
+    def disconnect() -> None:
         url = gateway.url + "/v1/chat/completions"
         with httpx.stream("POST", url, json=body, timeout=60) as r:
             assert r.status_code == 200
             for i, _ in enumerate(r.iter_raw()):
                 if i >= 3:
                     break
-        try:
-            assert_aborted(vllm, generated_before)
-        except AssertionError as exc:
-            outcomes.append(str(exc))
-            continue
-        return
-    raise AssertionError(f"no disconnect was propagated in 3 tries: {outcomes}")
+
+    assert_a_try_aborts(vllm, disconnect)
 
 
 def test_non_stream_disconnect_aborts_in_vllm(vllm: RunningVLLM, gateway: GatewayServer) -> None:
-    """KNOWN ISSUE (see the closing note): under CPU load the gateway occasionally
-    does not see a non-streaming client's disconnect (seen in 1 of 4 full runs and
-    3 of 6 runs with a busy core), so the scenario gets three tries; it still fails
-    when disconnects are not propagated at all."""
     body = {"model": vllm.model, "messages": MESSAGES, **LONG_GENERATION}
-    outcomes = []
-    for _ in range(3):
-        generated_before = vllm.metric("vllm:generation_tokens_total")
+
+    def disconnect() -> None:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(gateway.url + "/v1/chat/completions", json=body, timeout=1.0)
-        try:
-            assert_aborted(vllm, generated_before)
-        except AssertionError as exc:
-            outcomes.append(str(exc))
-            continue
-        return
-    raise AssertionError(f"no disconnect was propagated in 3 tries: {outcomes}")
+
+    assert_a_try_aborts(vllm, disconnect)
 
 
 def test_readyz_and_healthz(vllm: RunningVLLM, gateway: GatewayServer) -> None:
