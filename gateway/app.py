@@ -271,7 +271,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
         except GatewayError as exc:
             response = error_response(exc)
-        except (ClientGone, ClientDisconnect):
+        except ClientGone:
+            runtime.guard.client_left_before_response(parsed)
+            return Response(status_code=499)
+        except ClientDisconnect:  # left while still sending the body
             return Response(status_code=499)
         response.headers["x-request-id"] = request_id
         return response

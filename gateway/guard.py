@@ -91,6 +91,7 @@ class Trace:
     upstream_s: float = 0.0
     attempts: int = 0
     degenerate_seen: bool = False
+    client_gone: bool = False
 
 
 @dataclass(slots=True)
@@ -453,7 +454,22 @@ class Guard:
             headers=headers,
             media_type=SSE_MEDIA_TYPE,
             on_close=attempt.stream.response.close,
+            on_client_gone=lambda: self._client_left_mid_stream(trace),
         )
+
+    def client_left_before_response(self, request: GuardedRequest) -> None:
+        """The client disconnected while the gateway was still working on its answer."""
+        stream = "true" if request.stream else "false"
+        model = self.metrics.model_label(request.model)
+        self.metrics.client_disconnects.labels(
+            model, request.endpoint, stream, "before_response"
+        ).inc()
+
+    def _client_left_mid_stream(self, trace: Trace) -> None:
+        trace.client_gone = True
+        self.metrics.client_disconnects.labels(
+            trace.model, trace.request.endpoint, "true", "streaming"
+        ).inc()
 
     async def _relay(self, attempt: Attempt, trace: Trace, verdict: str) -> AsyncIterator[bytes]:
         state = attempt.stream
@@ -487,8 +503,10 @@ class Guard:
             verdict = "error"
             yield sse_error_event(exc)
         except asyncio.CancelledError:
-            # The shutdown grace ran out (or the client left): end the stream in-band
-            # where the connection still takes it, then let the cancellation go on.
+            if trace.client_gone:
+                raise  # counted as a disconnect; the verdict stands for what was sent
+            # The shutdown grace ran out: end the stream in-band where the connection
+            # still takes it, then let the cancellation go on.
             verdict = "error"
             yield sse_error_event(ShuttingDown("the gateway is shutting down"))
             raise

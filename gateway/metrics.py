@@ -102,6 +102,13 @@ class Metrics:
             ["model", "backend"],
             registry=r,
         )
+        self.client_disconnects = Counter(
+            "vllm_guard_client_disconnects",
+            "Clients that left before their answer was complete; the upstream request "
+            "was closed so vLLM aborts it. phase: before_response | streaming.",
+            ["model", "endpoint", "stream", "phase"],
+            registry=r,
+        )
         self.salt_reuse = Counter(
             "vllm_guard_salt_reuse",
             "Attempts sent with a remembered known-clean salt, by attempt kind.",

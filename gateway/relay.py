@@ -25,11 +25,14 @@ class RelayResponse(Response):
         headers: Mapping[str, str] | None = None,
         media_type: str | None = None,
         on_close: Callable[[], None] | None = None,
+        on_client_gone: Callable[[], None] | None = None,
     ) -> None:
         self.chunks = chunks
         #: Runs at the end whatever happened, even if ``chunks`` never started
         #: (a generator that never ran does not run its ``finally``).
         self.on_close = on_close
+        #: Runs once, before the relay is cancelled, when the client disconnects.
+        self.on_client_gone = on_client_gone
         self.status_code = status_code
         self.media_type = media_type
         self.background = None
@@ -45,6 +48,8 @@ class RelayResponse(Response):
             while (await receive())["type"] != "http.disconnect":
                 pass
             disconnected = True
+            if self.on_client_gone is not None:
+                self.on_client_gone()
             current.cancel()
 
         watcher = asyncio.get_running_loop().create_task(watch())

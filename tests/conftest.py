@@ -36,6 +36,22 @@ def tiny_model_dir() -> Path:
     return ensure_model(ARTIFACTS / "tiny-model")
 
 
+def scraped_metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` at ``url/metrics`` whose labels include ``labels``."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric_name = head.split("{", 1)[0]
+        if metric_name != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
 class RunningVLLM:
     def __init__(self, url: str, server: VLLMServer | None) -> None:
         self.url = url
@@ -44,18 +60,7 @@ class RunningVLLM:
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a vLLM metric's samples whose labels include ``labels``."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        total = 0.0
-        for line in text.splitlines():
-            if not line.startswith(name):
-                continue
-            head, _, value = line.rpartition(" ")
-            metric_name = head.split("{", 1)[0]
-            if metric_name != name:
-                continue
-            if all(f'{k}="{v}"' in head for k, v in labels.items()):
-                total += float(value)
-        return total
+        return scraped_metric(self.url, name, **labels)
 
     def log_text(self) -> str:
         """The server log (the session's own server, or VLLM_GUARD_TEST_VLLM_LOG)."""

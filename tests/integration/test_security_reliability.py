@@ -6,18 +6,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from conftest import ARTIFACTS, GatewayFactory, RunningVLLM, openai_client
+from conftest import ARTIFACTS, GatewayFactory, RunningVLLM, openai_client, scraped_metric
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.servers import GatewayServer, free_port, gateway_settings, wait_http
@@ -349,33 +352,55 @@ def test_backend_down_at_start_then_recovers(gateway_for: GatewayFactory) -> Non
 
 @pytest.mark.vllm
 def test_disconnect_storm_leaks_nothing(vllm: RunningVLLM, gateway_for: GatewayFactory) -> None:
-    gateway = gateway_for(vllm.url)
+    """100 streams whose clients leave after the first bytes: the gateway sees every
+    one leave and closes every upstream request (none left in its pool), and vLLM
+    logs the aborts. Each generation is long (1,900 tokens) so that
+    none can finish before its client has even been answered: on two cores vLLM's
+    API server can take many seconds to send the first bytes of 100 streams."""
+    # The 100 client threads share this process (and its GIL) with the gateway, whose
+    # event loop then runs seconds late: a loopback connect that completed in time
+    # can still hit a 5 s connect timeout. The timeout is not what this test is about.
+    gateway = gateway_for(vllm.url, upstream={"timeouts": {"connect_s": 60.0}})
     generated_before = vllm.metric("vllm:generation_tokens_total")
-    max_tokens = 400
+    storm = f"storm-{uuid.uuid4().hex[:8]}"
+    max_tokens = 1900
+    saw_the_end: list[int] = []
 
-    def drop(i: int) -> None:
+    def drop(i: int) -> int:
         body = {"model": vllm.model, "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
                 "messages": [{"role": "user", "content": f"storm {i}"}]}  # fmt: skip
-        with httpx.stream("POST", gateway.url + "/v1/chat/completions", json=body, timeout=60) as r:
-            for n, _ in enumerate(r.iter_raw()):
-                if n >= 2:
-                    break
+        url = gateway.url + "/v1/chat/completions"
+        headers = {"x-request-id": f"{storm}-{i}"}
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as r:
+            first = next(r.iter_raw())
+        if b"[DONE]" in first:
+            saw_the_end.append(i)
+        return r.status_code
 
-    threads = [threading.Thread(target=drop, args=(i,)) for i in range(100)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    with ThreadPoolExecutor(100) as pool:
+        assert set(pool.map(drop, range(100))) == {200}
+    assert saw_the_end == []
     connector = gateway.runtime.session.connector
-    deadline = time.monotonic() + 20
-    while (len(connector._acquired) or vllm.metric("vllm:num_requests_running")) and (
-        time.monotonic() < deadline
+
+    def disconnects_counted() -> float:
+        return scraped_metric(gateway.url, "vllm_guard_client_disconnects_total")
+
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and (
+        disconnects_counted() < 100
+        or connector._acquired
+        or vllm.metric("vllm:num_requests_running") > 0
     ):
-        time.sleep(0.2)
+        time.sleep(0.5)
+    time.sleep(1.0)  # the last abort lines, if on their way
+    aborted = set(re.findall(rf"chatcmpl-({storm}-\d+)\S* aborted", vllm.log_text()))
+    assert disconnects_counted() == 100
     assert len(connector._acquired) == 0, "upstream connections leaked"
-    assert vllm.metric("vllm:num_requests_running") == 0
+    # The gateway's part above is exact. vLLM's own count gets slack: its CPU build
+    # on two cores loses aborts by itself (100 streams abandoned with no gateway in
+    # between: 6 and 9 still ran to max_tokens). Without propagation: none aborted.
+    assert len(aborted) >= 80, f"vLLM aborted {len(aborted)} of 100 abandoned streams"
     generated = vllm.metric("vllm:generation_tokens_total") - generated_before
-    # Known issue (closing note): under CPU load some disconnects go unseen, so the
-    # bound is loose; without any propagation every stream would run to 400 tokens.
-    assert generated < 100 * max_tokens * 0.75, f"{generated} tokens: streams were not aborted"
-    (ARTIFACTS / "storm.txt").write_text(f"generated {generated} of {100 * max_tokens}\n")
+    (ARTIFACTS / "storm.txt").write_text(
+        f"aborted {len(aborted)} of 100; generated {generated} of {100 * max_tokens}\n"
+    )
