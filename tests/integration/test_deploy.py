@@ -148,6 +148,10 @@ def test_every_dashboard_panel_returns_data(vllm: RunningVLLM, gateway_for: Gate
                 client, vllm.model, episodes_count=4, steps=3, concurrency=4, seed=seed + stream,
                 extra_body=poison, max_tokens=12, stream=stream,
             )  # fmt: skip
+        abandoned = {"model": vllm.model, "max_tokens": 1500, "ignore_eos": True,
+                     "messages": [{"role": "user", "content": "a client that leaves"}]}  # fmt: skip
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(gateway.url + "/v1/chat/completions", json=abandoned, timeout=0.5)
         time.sleep(2)
         prom.wait_for_scrape_after(time.time(), "vllm-guard")
         empty = []
