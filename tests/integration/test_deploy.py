@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import GatewayFactory, RunningVLLM, openai_client
+from conftest import GatewayFactory, RunningVLLM, openai_client, scraped_metric
 from support.prometheus import PrometheusServer
 from support.servers import free_port, wait_http
 from support.stub_backend import StubBackend
@@ -148,10 +148,16 @@ def test_every_dashboard_panel_returns_data(vllm: RunningVLLM, gateway_for: Gate
                 client, vllm.model, episodes_count=4, steps=3, concurrency=4, seed=seed + stream,
                 extra_body=poison, max_tokens=12, stream=stream,
             )  # fmt: skip
-        abandoned = {"model": vllm.model, "max_tokens": 1500, "ignore_eos": True,
+        abandoned = {"model": vllm.model, "max_tokens": 1900, "ignore_eos": True, "stream": True,
                      "messages": [{"role": "user", "content": "a client that leaves"}]}  # fmt: skip
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(gateway.url + "/v1/chat/completions", json=abandoned, timeout=0.5)
+        url = gateway.url + "/v1/chat/completions"
+        with httpx.stream("POST", url, json=abandoned, timeout=60) as response:
+            assert response.status_code == 200, response.read()
+            next(response.iter_raw())
+        deadline = time.monotonic() + 30
+        while not scraped_metric(gateway.url, "vllm_guard_client_disconnects_total"):
+            assert time.monotonic() < deadline, "the gateway did not see the client leave"
+            time.sleep(0.2)
         time.sleep(2)
         prom.wait_for_scrape_after(time.time(), "vllm-guard")
         empty = []
