@@ -6,6 +6,7 @@ Start with ``vllm-guard serve`` or ``uvicorn gateway.app:create_app --factory``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import hmac
 import logging
@@ -206,7 +207,21 @@ def internal_error_response() -> Response:
     )
 
 
+def tune_gc() -> None:
+    """Move everything alive after startup out of the collector's sight and collect
+    the young generation less often. Measured (BENCHMARKS.md): the default
+    thresholds put full collections in the tail, p99/p50 3.3-3.8 for small requests
+    at c=32; tuned 1.5-1.8, CPU per request unchanged."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
+    # Without settings this is the process `vllm-guard serve` started (each worker
+    # calls the factory): process-wide tuning is ours to do. Tests that embed the
+    # app pass settings and keep their interpreter as it is.
+    serving_process = settings is None
     settings = settings or settings_from_environment()
 
     @asynccontextmanager
@@ -227,6 +242,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await scraper.scrape_once()
         pool.start()
         scraper.start()
+        if serving_process:
+            tune_gc()
         log.info("vllm-guard %s ready; backends: %s", __version__, ", ".join(pool.names))
         try:
             yield

@@ -87,12 +87,14 @@ def _elements(raw: bytes, span: tuple[int, int], limit: int) -> list[tuple[int, 
     return out
 
 
-def top_level_spans(raw: bytes) -> Spans | None:
-    """Key -> (start, end) of each top-level value, or None if ``raw`` is not a
-    JSON object this scanner is sure about."""
+def top_level_spans(raw: bytes, start: int = 0, end: int | None = None) -> Spans | None:
+    """Key -> (start, end) of each top-level value, or None if ``raw[start:end]`` is
+    not a JSON object this scanner is sure about. Spans index ``raw`` itself: a
+    window is scanned in place, never copied (a message holds megabytes)."""
+    end = len(raw) if end is None else end
     try:
-        pos = _skip_ws(raw, 0)
-        if pos >= len(raw) or raw[pos] != 0x7B:
+        pos = _skip_ws(raw, start)
+        if pos >= end or raw[pos] != 0x7B:
             return None
         pos = _skip_ws(raw, pos + 1)
         spans: Spans = {}
@@ -118,7 +120,8 @@ def top_level_spans(raw: bytes) -> Spans | None:
                     pos += 1
                     break
                 return None
-        if _skip_ws(raw, pos) != len(raw):
+        trailing = _WHITESPACE.match(raw, pos, end)
+        if pos > end or trailing is None or trailing.end() != end:
             return None
         return spans
     except (_Malformed, IndexError, orjson.JSONDecodeError):
@@ -138,24 +141,23 @@ def leading_messages(raw: bytes, span: tuple[int, int], limit: int) -> list[obje
     (screenshots) reduced to its ``type``: what the conversation fingerprint reads,
     without decoding megabytes of base64. None if unsure."""
     try:
-        return [_message(raw[s:e]) for s, e in _elements(raw, span, limit)]
+        return [_message(raw, s, e) for s, e in _elements(raw, span, limit)]
     except (_Malformed, IndexError, orjson.JSONDecodeError):
         return None
 
 
-def _message(raw: bytes) -> object:
-    spans = top_level_spans(raw)
+def _message(raw: bytes, start: int, end: int) -> object:
+    spans = top_level_spans(raw, start, end)
     if spans is None or "content" not in spans or raw[spans["content"][0]] != 0x5B:
-        return orjson.loads(raw)
+        return orjson.loads(raw[start:end])
     message = {k: orjson.loads(raw[s:e]) for k, (s, e) in spans.items() if k != "content"}
     parts: list[object] = []
-    for start, end in _elements(raw, spans["content"], limit=1 << 30):
-        part = raw[start:end]
-        part_spans = top_level_spans(part)
+    for part_start, part_end in _elements(raw, spans["content"], limit=1 << 30):
+        part_spans = top_level_spans(raw, part_start, part_end)
         if part_spans is None or "type" not in part_spans:
-            parts.append(orjson.loads(part))
+            parts.append(orjson.loads(raw[part_start:part_end]))
             continue
-        kind = orjson.loads(part[slice(*part_spans["type"])])
-        parts.append(orjson.loads(part) if kind == "text" else {"type": kind})
+        kind = orjson.loads(raw[slice(*part_spans["type"])])
+        parts.append(orjson.loads(raw[part_start:part_end]) if kind == "text" else {"type": kind})
     message["content"] = parts
     return message

@@ -194,9 +194,12 @@ def main() -> None:
                 proxies.append(("LiteLLM", stack.enter_context(litellm_peer(stub_url))))
             lines = [
                 "| scenario | proxy | req/s (direct) | p50 / p99 ms (direct) | added p50 / p99 ms "
-                "| p99/p50 | CPU per request | CPU per event |",
-                "|---|---|---|---|---|---|---|---|",
+                "| p99/p50 | CPU per request | CPU per event | CPU per event over a request |",
+                "|---|---|---|---|---|---|---|---|---|",
             ]
+            # CPU of a small non-streaming request per (proxy, concurrency): a stream's
+            # events cost what the stream costs beyond one such request.
+            request_cpu: dict[tuple[str, int], float] = {}
             for name, body, concurrency, requests, events in scenarios:
                 direct: list[Run] = []
                 through: dict[str, list[Run]] = {p: [] for p, _ in proxies}
@@ -216,14 +219,22 @@ def main() -> None:
                     g = [x for r in runs for x in r.latencies]
                     g50, g99 = pct(g, 0.5), pct(g, 0.99)
                     per_request = cpu[proxy_name] / args.rounds
-                    per_event = f"{per_request / events * 1e6:.0f} µs" if events > 1 else "-"
+                    per_event = marginal = "-"
+                    if events == 1 and name.startswith("small"):
+                        request_cpu[proxy_name, concurrency] = per_request
+                    if events > 1:
+                        per_event = f"{per_request / events * 1e6:.0f} µs"
+                        if (proxy_name, concurrency) in request_cpu:
+                            extra = per_request - request_cpu[proxy_name, concurrency]
+                            marginal = f"{extra / events * 1e6:.0f} µs"
                     lines.append(
                         f"| {name} | {proxy_name} "
                         f"| {sum(r.rps for r in runs) / len(runs):.0f} ({d_rps:.0f}) "
                         f"| {g50 * 1000:.2f} / {g99 * 1000:.2f} "
                         f"({d50 * 1000:.2f} / {d99 * 1000:.2f}) "
                         f"| {(g50 - d50) * 1000:+.2f} / {(g99 - d99) * 1000:+.2f} "
-                        f"| {g99 / g50:.1f} | {per_request * 1000:.2f} ms | {per_event} |"
+                        f"| {g99 / g50:.1f} | {per_request * 1000:.2f} ms | {per_event} "
+                        f"| {marginal} |"
                     )
                     print(lines[-1], flush=True)
         report = "\n".join(

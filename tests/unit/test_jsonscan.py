@@ -48,6 +48,19 @@ def test_spans_decode_to_the_same_values(obj: dict[str, Any]) -> None:
         assert {k: orjson.loads(raw[s:e]) for k, (s, e) in spans.items()} == obj
 
 
+@settings(max_examples=200, deadline=None)
+@given(obj=objects, before=st.binary(max_size=8), after=st.binary(max_size=8))
+def test_a_window_is_scanned_in_place(obj: dict[str, Any], before: bytes, after: bytes) -> None:
+    """Scanning raw[start:end] in place equals scanning a copy of it, shifted."""
+    for inner in encodings(obj):
+        raw = before + inner + after
+        start, end = len(before), len(before) + len(inner)
+        window = top_level_spans(raw, start, end)
+        assert window is not None
+        shifted = {k: (s - start, e - start) for k, (s, e) in window.items()}
+        assert shifted == top_level_spans(inner)
+
+
 @settings(max_examples=300, deadline=None)
 @given(raw=st.binary(max_size=200) | st.text(max_size=100).map(str.encode))
 def test_anything_else_is_refused_or_agrees(raw: bytes) -> None:
