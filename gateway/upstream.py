@@ -153,6 +153,10 @@ def new_session(settings: UpstreamSettings) -> aiohttp.ClientSession:
             sock_read=timeouts.read_s,
         ),
         auto_decompress=False,
+        # One pool serves every client: a cookie a backend (or a sticky-session
+        # balancer before it) sets for one client must not ride along on the next.
+        # Cookies still pass through as headers, both ways.
+        cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         read_bufsize=2**16,
     )

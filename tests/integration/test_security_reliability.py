@@ -81,6 +81,22 @@ def test_client_key_is_not_forwarded_upstream(
     ]
 
 
+def test_a_cookie_one_client_got_is_never_sent_for_another(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    """The upstream pool is shared by every client: it must not keep a cookie jar.
+    (A backend by host name, as in compose or Kubernetes: cookie jars ignore IPs.)"""
+    gateway = gateway_for(stub.url.replace("127.0.0.1", "localhost"))
+    url = gateway.url + "/v1/chat/completions"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    first = httpx.post(url, json=body, headers={"x-stub-scenario": "set-cookie"})
+    assert "lb-session=tenant-a-affinity" in first.headers["set-cookie"]  # relayed to its client
+    httpx.post(url, json=body)  # another client, no cookie of its own
+    assert "cookie" not in stub.state.headers[-1]
+    httpx.post(url, json=body, headers={"cookie": "own=1"})  # a client's own cookie passes
+    assert stub.state.headers[-1]["cookie"] == "own=1"
+
+
 def test_metrics_key(stub: StubBackend, gateway_for: GatewayFactory) -> None:
     gateway = gateway_for(stub.url, metrics={"api_key_sha256": [hash_key("metrics-key")]})
     assert httpx.get(gateway.url + "/metrics").status_code == 401

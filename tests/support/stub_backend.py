@@ -87,7 +87,7 @@ def build_app(state: StubState) -> Starlette:
             return Response(b"<html>oops</html>", media_type="text/html")
         if body.get("stream"):
             return StreamingResponse(scenario_stream(scenario), media_type="text/event-stream")
-        return JSONResponse(
+        answer = JSONResponse(
             {
                 "id": "cmpl-stub", "object": "chat.completion", "model": "stub",
                 "choices": [{"index": 0, "finish_reason": "stop",
@@ -95,6 +95,9 @@ def build_app(state: StubState) -> Starlette:
                 "usage": {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15},
             }
         )  # fmt: skip
+        if scenario == "set-cookie":  # e.g. a sticky-session load balancer in front of vLLM
+            answer.set_cookie("lb-session", "tenant-a-affinity")
+        return answer
 
     async def health(request: Request) -> Response:
         return Response(b"")
