@@ -459,17 +459,16 @@ class Guard:
 
     def client_left_before_response(self, request: GuardedRequest) -> None:
         """The client disconnected while the gateway was still working on its answer."""
-        stream = "true" if request.stream else "false"
         model = self.metrics.model_label(request.model)
-        self.metrics.client_disconnects.labels(
-            model, request.endpoint, stream, "before_response"
-        ).inc()
+        self._count_disconnect(model, request, "before_response")
 
     def _client_left_mid_stream(self, trace: Trace) -> None:
         trace.client_gone = True
-        self.metrics.client_disconnects.labels(
-            trace.model, trace.request.endpoint, "true", "streaming"
-        ).inc()
+        self._count_disconnect(trace.model, trace.request, "streaming")
+
+    def _count_disconnect(self, model: str, request: GuardedRequest, phase: str) -> None:
+        stream = "true" if request.stream else "false"
+        self.metrics.client_disconnects.labels(model, request.endpoint, stream, phase).inc()
 
     async def _relay(self, attempt: Attempt, trace: Trace, verdict: str) -> AsyncIterator[bytes]:
         state = attempt.stream
