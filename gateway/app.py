@@ -240,7 +240,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         guard = Guard(settings, pool, metrics, evidence=evidence, version_of=scraper.version_of)
         runtime = Runtime(settings, session, pool, metrics, guard, scraper)
         assert isinstance(app, GatewayApp)
-        app.state.runtime = app.runtime = runtime
+        app.runtime = runtime
         await pool.check_all(initial=True)
         await scraper.scrape_once()
         pool.start()

@@ -79,7 +79,7 @@ class GatewayServer(ThreadedServer):
 
     @property
     def runtime(self) -> Any:
-        return self.app.state.runtime
+        return self.app.runtime
 
 
 def gateway_settings(backend_urls: list[str] | str, **sections: Any) -> Settings:
