@@ -9,7 +9,9 @@ poisoning scheduler, as that script does).
 from __future__ import annotations
 
 import os
+import re
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,40 @@ class RunningVLLM:
 
     def reset_prefix_cache(self) -> None:
         httpx.post(self.url + "/reset_prefix_cache", timeout=30).raise_for_status()
+
+    def wait_received(self, request_id: str, timeout_s: float = 30) -> None:
+        """Until vLLM's log shows it received ``request_id`` (now generating)."""
+        received = re.compile(rf"Received request \S*{request_id}\b")
+        assert wait_for(lambda: bool(received.search(self.log_text())), timeout_s), (
+            f"vLLM never received {request_id}"
+        )
+
+    def aborted(self, request_id: str) -> bool:
+        """Whether vLLM logs the abort of ``request_id`` by the time it has stopped
+        running requests. A request that finished is never logged as aborted, so this
+        cannot pass by timing."""
+        pattern = re.compile(
+            rf"chatcmpl-{request_id}\S* aborted|Aborted request\(s\) \S*{request_id}\b"
+        )
+
+        def settled() -> bool:
+            return bool(pattern.search(self.log_text())) or (
+                self.metric("vllm:num_requests_running") == 0
+            )
+
+        assert wait_for(settled, timeout_s=60)
+        time.sleep(1.0)  # the abort's log line, if it is on its way
+        assert wait_for(lambda: self.metric("vllm:num_requests_running") == 0, timeout_s=60)
+        return bool(pattern.search(self.log_text()))
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
 
 
 @pytest.fixture(scope="session")

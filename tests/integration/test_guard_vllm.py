@@ -98,26 +98,32 @@ def test_discarded_stream_attempt_is_aborted_in_vllm(
     vllm: RunningVLLM, gateway_for: GatewayFactory
 ) -> None:
     """The degenerate attempt is closed after the hold-back window and vLLM aborts it
-    (its log names the attempt), instead of generating all of its '!' tokens."""
+    (its log names the attempt), instead of generating all of its '!' tokens.
+
+    vLLM's CPU build loses an abort now and then by itself (6-9 of 100 abandoned
+    streams measured with no gateway), so vLLM's side gets three tries; the gateway's
+    side (a recovered answer, two attempts, the retry not aborted) is checked on each."""
     gateway = gateway_for(vllm.url, **GENEROUS_BUDGET)
-    messages = fresh_messages()
-    warm(vllm, messages)
-    request_id = f"abort-{uuid.uuid4().hex}"
-    raw = openai_client(gateway.url).chat.completions.with_raw_response.create(
-        model=vllm.model, messages=messages, max_tokens=1500, temperature=0, stream=True,
-        extra_body={**poison(1.0, "bang"), "ignore_eos": True},
-        extra_headers={"X-Request-Id": request_id},
-    )  # fmt: skip
-    chunks = list(raw.parse())
-    assert raw.headers["x-vllm-guard-attempts"] == "2"
-    assert not is_corrupt("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
-    deadline = time.monotonic() + 30
-    while not re.search(rf"chatcmpl-{request_id}\S* aborted|Aborted request\(s\) \S*{request_id}\b",
-                        vllm.log_text()):  # fmt: skip
-        assert time.monotonic() < deadline, "vLLM did not abort the discarded attempt"
-        time.sleep(0.2)
-    # The retry ran to the end under its own id.
-    assert not re.search(rf"{request_id}-a2\S* aborted", vllm.log_text())
+    lost = []
+    for _ in range(3):
+        messages = fresh_messages(words=120)
+        warm(vllm, messages)
+        request_id = f"abort-{uuid.uuid4().hex}"
+        raw = openai_client(gateway.url).chat.completions.with_raw_response.create(
+            model=vllm.model, messages=messages, max_tokens=1800, temperature=0, stream=True,
+            extra_body={**poison(1.0, "bang"), "ignore_eos": True},
+            extra_headers={"X-Request-Id": request_id},
+        )  # fmt: skip
+        chunks = list(raw.parse())
+        assert raw.headers["x-vllm-guard-attempts"] == "2"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert not is_corrupt(text)
+        # The retry ran to the end under its own id.
+        assert not re.search(rf"{request_id}-a2\S* aborted", vllm.log_text())
+        if vllm.aborted(request_id):
+            return
+        lost.append(request_id)
+    raise AssertionError(f"vLLM aborted none of the discarded attempts {lost}")
 
 
 def test_exhausted_policy_deliver_and_error(vllm: RunningVLLM, gateway_for: GatewayFactory) -> None:
