@@ -42,7 +42,6 @@ from gateway.upstream import (
     BackendPool,
     forward_headers,
     map_transport_errors,
-    new_session,
     response_headers,
 )
 
@@ -228,8 +227,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        session = new_session(settings.upstream)
-        pool = BackendPool(settings.upstream, session)
+        pool = BackendPool(settings.upstream)
         metrics = Metrics(CollectorRegistry(), models=settings.models, backends=pool.names)
         scraper = BackendScraper(pool, metrics, settings.upstream)
         evidence = (
@@ -238,7 +236,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             else None
         )
         guard = Guard(settings, pool, metrics, evidence=evidence, version_of=scraper.version_of)
-        runtime = Runtime(settings, session, pool, metrics, guard, scraper)
+        runtime = Runtime(settings, pool.session, pool, metrics, guard, scraper)
         assert isinstance(app, GatewayApp)
         app.runtime = runtime
         await pool.check_all(initial=True)
@@ -253,7 +251,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await scraper.stop()
             await pool.stop()
-            await session.close()
 
     app = GatewayApp(
         title="vllm-guard",

@@ -270,10 +270,17 @@ class Guard:
                 attempt = await self._attempt(request, backend, salt, headers, trace)
             except (BackendUnreachable, UpstreamTimeout) as exc:
                 failover = self._failover_backend(backend, trace)
+                cause = repr(exc.__cause__) if exc.__cause__ is not None else exc.code
                 if failover is None:
+                    log.warning(
+                        "request %s failed: %s (%s)", headers["x-request-id"], exc.message, cause
+                    )
                     self._finish(trace, backend, "error")
                     raise
-                log.warning("attempt %d failed (%s); failing over", trace.attempts, exc.code)
+                log.warning(
+                    "attempt %d of %s failed: %s (%s); failing over to %s",
+                    trace.attempts, headers["x-request-id"], exc.message, cause, failover.name,
+                )  # fmt: skip
                 self.metrics.retries.labels(trace.model, backend.name, "backend_error").inc()
                 backend = failover
                 continue

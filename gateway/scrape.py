@@ -71,7 +71,7 @@ class BackendScraper:
     async def _get(self, backend: Backend, path: str) -> bytes | None:
         timeout = aiohttp.ClientTimeout(total=self.settings.timeouts.connect_s * 2)
         try:
-            async with backend.session.get(backend.url + path, timeout=timeout) as response:
+            async with backend.fresh_session.get(backend.url + path, timeout=timeout) as response:
                 if response.status != 200:
                     return None
                 return await response.read()

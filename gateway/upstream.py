@@ -14,6 +14,7 @@ import logging
 import random
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -50,7 +51,13 @@ HOP_BY_HOP = frozenset(
 @dataclass(slots=True, eq=False)
 class Backend:
     settings: BackendSettings
+    #: Pooled keep-alive connections: client traffic.
     session: aiohttp.ClientSession
+    #: A new connection per request, never pooled: health probes, metrics scrapes,
+    #: and the resend after a pooled connection turned out dead. A probe every few
+    #: seconds would otherwise leave an idle connection in the pool, which the
+    #: backend may close (its keep-alive is 5 s) just as a request picks it up.
+    fresh_session: aiohttp.ClientSession
     healthy: bool = True
     failed_probes: int = 0
 
@@ -82,7 +89,7 @@ class Backend:
 
         A pooled keep-alive connection that the backend closed while it sat idle
         (uvicorn, vLLM's server, closes after 5 s) fails before the backend has read
-        anything; a replayable body is then sent once more on a fresh connection.
+        anything; a replayable body is then sent once more, on a new connection.
         """
         url = self.url + path + (f"?{params}" if params else "")
         with map_transport_errors(self):
@@ -90,17 +97,17 @@ class Backend:
                 return await self.session.request(
                     method, url, headers=dict(headers), data=body, allow_redirects=False
                 )
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if not isinstance(body, bytes | None):
                     raise  # a streamed body cannot be replayed
-                log.info("backend %s closed a pooled connection; resending once", self.name)
-                return await self.session.request(
+                log.info("backend %s closed a connection (%r); resending once", self.name, exc)
+                return await self.fresh_session.request(
                     method, url, headers=dict(headers), data=body, allow_redirects=False
                 )
 
     async def probe_health(self, timeout_s: float) -> bool:
         try:
-            async with self.session.get(
+            async with self.fresh_session.get(
                 self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as response:
                 await response.read()
@@ -133,16 +140,19 @@ def map_transport_errors(backend: Backend) -> Iterator[None]:
         raise BackendUnreachable(f"backend {backend.name} request failed") from exc
 
 
-def new_session(settings: UpstreamSettings) -> aiohttp.ClientSession:
+def new_session(settings: UpstreamSettings, *, pooled: bool = True) -> aiohttp.ClientSession:
     timeouts = settings.timeouts
+    # Below uvicorn's (vLLM's server) 5 s keep-alive, so the gateway drops an idle
+    # connection before the backend does.
+    keepalive: dict[str, Any] = (
+        {"keepalive_timeout": settings.keepalive_s} if pooled else {"force_close": True}
+    )
     connector = aiohttp.TCPConnector(
         limit=settings.max_connections,
         limit_per_host=settings.max_connections,
         ttl_dns_cache=300,
         enable_cleanup_closed=True,
-        # Below uvicorn's (vLLM's server) 5 s keep-alive, so the gateway drops an
-        # idle connection before the backend does.
-        keepalive_timeout=settings.keepalive_s,
+        **keepalive,
     )
     return aiohttp.ClientSession(
         connector=connector,
@@ -165,10 +175,11 @@ def new_session(settings: UpstreamSettings) -> aiohttp.ClientSession:
 class BackendPool:
     """Named backends with roles; weighted choice among the healthy ones."""
 
-    def __init__(self, settings: UpstreamSettings, session: aiohttp.ClientSession) -> None:
+    def __init__(self, settings: UpstreamSettings) -> None:
         self.settings = settings
-        self.session = session
-        self.backends = [Backend(b, session) for b in settings.backends]
+        self.session = new_session(settings)
+        self.fresh_session = new_session(settings, pooled=False)
+        self.backends = [Backend(b, self.session, self.fresh_session) for b in settings.backends]
         self.primaries = [b for b in self.backends if b.settings.role is BackendRole.PRIMARY]
         self.fixed = next((b for b in self.backends if b.settings.role is BackendRole.FIXED), None)
         self._health = Periodic(settings.health_interval_s, self.check_all, "health check")
@@ -235,6 +246,8 @@ class BackendPool:
 
     async def stop(self) -> None:
         await self._health.stop()
+        await self.session.close()
+        await self.fresh_session.close()
 
 
 def forward_headers(
