@@ -64,6 +64,10 @@ class RelayResponse(Response):
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            # A relay that found every chunk already buffered never waited, so a
+            # client that left meanwhile (the server drops sends to a closed
+            # connection) has woken the watcher but not yet been seen: let it run.
+            await asyncio.sleep(0)
         except asyncio.CancelledError:
             if not disconnected:
                 raise  # the server is stopping this request, not the client

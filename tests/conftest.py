@@ -80,6 +80,10 @@ class RunningVLLM:
             f"vLLM never received {request_id}"
         )
 
+    def generating(self) -> bool:
+        """Whether vLLM is running a request (its gauge lags a new request by ~0.3 s)."""
+        return wait_for(lambda: self.metric("vllm:num_requests_running") > 0, timeout_s=3)
+
     def aborted(self, request_id: str) -> bool:
         """Whether vLLM logs the abort of ``request_id`` by the time it has stopped
         running requests. A request that finished is never logged as aborted, so this

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import threading
 import time
@@ -100,10 +101,11 @@ def main() -> None:  # python tests/support/servers.py: start the tiny vLLM by h
     print(f"starting vLLM on {server.url} (log: {server.log_path}) ...", flush=True)
     server.wait_ready()
     print(f"ready: {server.url}  (model name '{MODEL_NAME}'; Ctrl-C stops it)", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # `kill` stops vLLM too
     try:
         assert server.process is not None
         server.process.wait()
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):
         server.stop()
 
 
