@@ -90,6 +90,16 @@ class ServiceProcess:
             self.process.terminate()
             self.process.wait(timeout=30)
 
+    def peak_rss_mib(self) -> float:
+        """The largest peak resident set (VmHWM) of the process and its children."""
+        assert self.process is not None
+        peaks = [0.0]
+        for pid in [self.process.pid, *_children(self.process.pid)]:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    peaks.append(int(line.split()[1]) / 1024)
+        return max(peaks)
+
     def cpu_seconds(self) -> float:
         assert self.process is not None
         total = 0.0

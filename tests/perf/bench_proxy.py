@@ -182,6 +182,7 @@ def main() -> None:
         ("stream 24 events, c=1", small_body(True), 1, 500, 24),
         ("stream 24 events, c=32", small_body(True), 32, 1500, 24),
         ("3 MB body, c=1", large_body(), 1, 40, 1),
+        ("3 MB body, c=32", large_body(), 32, 320, 1),  # last: the peak RSS it leaves
     ]
     try:
         with ExitStack() as stack:
@@ -237,9 +238,10 @@ def main() -> None:
                         f"| {marginal} |"
                     )
                     print(lines[-1], flush=True)
+            peaks = [f"| {name} | {proxy.peak_rss_mib():.1f} MiB |" for name, proxy in proxies]
         report = "\n".join(
             [f"## Proxy cost vs. a fast stub (one process each; MALLOC_TRIM_THRESHOLD_={env_note})",
-             "", *lines]
+             "", *lines, "", "| proxy | peak RSS (VmHWM, largest process) |", "|---|---|", *peaks]
         )  # fmt: skip
         (ARTIFACTS / "proxy-report.md").write_text(report + "\n")
         print("\n" + report)
