@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Self, TypeVar
 
+import prometheus_client
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
-    Counter,
     Gauge,
-    Histogram,
     generate_latest,
     multiprocess,
 )
+from prometheus_client.metrics import MetricWrapperBase
 
 from gateway import __version__
 
@@ -34,6 +35,43 @@ DURATION_BUCKETS = (
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0,
 )  # fmt: skip
 ATTEMPT_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10)
+
+
+class Counter(prometheus_client.Counter):
+    """A Counter whose ``labels()`` remembers each child.
+
+    prometheus_client checks, converts and locks on every ``labels()`` call; a
+    request makes about eight of them. Label values are bounded sets (see above),
+    so the cache is too.
+    """
+
+    def labels(self, *labelvalues: object, **labelkwargs: object) -> Self:
+        return remembered_child(self, super().labels, labelvalues, labelkwargs)
+
+
+class Histogram(prometheus_client.Histogram):
+    """A Histogram whose ``labels()`` remembers each child (see ``Counter``)."""
+
+    def labels(self, *labelvalues: object, **labelkwargs: object) -> Self:
+        return remembered_child(self, super().labels, labelvalues, labelkwargs)
+
+
+_Metric = TypeVar("_Metric", bound=MetricWrapperBase)
+
+
+def remembered_child(
+    metric: _Metric,
+    labels: Callable[..., _Metric],
+    values: tuple[object, ...],
+    named: dict[str, object],
+) -> _Metric:
+    if named:
+        return labels(**named)
+    children: dict[tuple[object, ...], _Metric] = metric.__dict__.setdefault("_children", {})
+    child = children.get(values)
+    if child is None:
+        child = children[values] = labels(*values)
+    return child
 
 
 def multiprocess_enabled() -> bool:
