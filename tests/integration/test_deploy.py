@@ -152,7 +152,7 @@ def test_every_dashboard_panel_returns_data(vllm: RunningVLLM, gateway_for: Gate
                      "messages": [{"role": "user", "content": "a client that leaves"}]}  # fmt: skip
         url = gateway.url + "/v1/chat/completions"
         disconnects = "vllm_guard_client_disconnects_total"
-        for _ in range(3):  # a try counts only if vLLM was still generating when the client left
+        for _ in range(3):  # a stalled machine can let vLLM finish before the client leaves
             with httpx.stream("POST", url, json=abandoned, timeout=60) as response:
                 assert response.status_code == 200, response.read()
                 next(response.iter_raw())

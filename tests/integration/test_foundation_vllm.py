@@ -159,10 +159,10 @@ def assert_disconnect_aborts(
 
     ``disconnect`` says whether vLLM was still generating when the client hung up;
     a try where it was not (a stalled machine can let vLLM finish first, and then
-    there is nothing to abort) does not count. vLLM's
-    CPU build on two cores loses an abort now and then by itself: measured with no
-    gateway, 1 of 25 abandoned non-streaming requests and 6-9 of 100 abandoned
-    streams still ran to max_tokens. So vLLM's side gets three tries."""
+    there is nothing to abort) does not count. vLLM's CPU build on two cores loses
+    an abort now and then by itself: measured with no gateway, 1 of 25 abandoned
+    non-streaming requests and 6-9 of 100 abandoned streams still ran to
+    max_tokens. So vLLM's side gets three tries."""
 
     def disconnects_counted() -> float:
         return scraped_metric(gateway.url, "vllm_guard_client_disconnects_total", phase=phase)
