@@ -142,9 +142,8 @@ def test_every_dashboard_panel_returns_data(vllm: RunningVLLM, gateway_for: Gate
         prom.wait_for_scrape_after(time.time(), "vllm-guard")  # scraping before traffic starts
         client = openai_client(gateway.url)
         seed = int(time.time()) % 100_000
-        poison = {
-            "vllm_xargs": {"vg_poison_rate": 0.4}
-        }  # corruption in every run (0.15: not always)
+        # p=0.4 per cached block: corruption in every run (at 0.15, not always)
+        poison = {"vllm_xargs": {"vg_poison_rate": 0.4}}
         for stream in (False, True):
             run_workload(
                 client, vllm.model, episodes_count=4, steps=3, concurrency=4, seed=seed + stream,
