@@ -90,20 +90,23 @@ class ServiceProcess:
             self.process.terminate()
             self.process.wait(timeout=30)
 
-    def peak_rss_mib(self) -> float:
-        """The largest peak resident set (VmHWM) of the process and its children."""
+    def pids(self) -> list[int]:
+        """The process and its children (workers, nginx's worker)."""
         assert self.process is not None
+        return [self.process.pid, *_children(self.process.pid)]
+
+    def peak_rss_mib(self) -> float:
+        """The largest peak resident set (VmHWM) among ``pids()``."""
         peaks = [0.0]
-        for pid in [self.process.pid, *_children(self.process.pid)]:
+        for pid in self.pids():
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
                     peaks.append(int(line.split()[1]) / 1024)
         return max(peaks)
 
     def cpu_seconds(self) -> float:
-        assert self.process is not None
         total = 0.0
-        for pid in [self.process.pid, *_children(self.process.pid)]:
+        for pid in self.pids():
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         return total

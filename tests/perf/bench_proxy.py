@@ -176,13 +176,14 @@ def main() -> None:
     stub_url = f"http://127.0.0.1:{port}"
     wait_http(stub_url + "/health", 30, stub)
     env_note = os.environ.get("MALLOC_TRIM_THRESHOLD_", "unset")
+    large = large_body()
     scenarios = [
         ("small, c=1", small_body(False), 1, 1000, 1),
         ("small, c=32", small_body(False), 32, 3000, 1),
         ("stream 24 events, c=1", small_body(True), 1, 500, 24),
         ("stream 24 events, c=32", small_body(True), 32, 1500, 24),
-        ("3 MB body, c=1", large_body(), 1, 40, 1),
-        ("3 MB body, c=32", large_body(), 32, 320, 1),  # last: the peak RSS it leaves
+        ("3 MB body, c=1", large, 1, 40, 1),
+        ("3 MB body, c=32", large, 32, 320, 1),  # last: the peak RSS it leaves
     ]
     try:
         with ExitStack() as stack:
