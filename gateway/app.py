@@ -196,6 +196,17 @@ def key_allowed(scope: Scope, allowed: Sequence[str]) -> bool:
     return sum(hmac.compare_digest(digest, h) for h in allowed) > 0
 
 
+def client_identity(request: Request) -> str:
+    """Who is asking, for the retry budget's fair share: the API key's digest when
+    the gateway checks keys (a verified identity), else the client's address."""
+    app = request.app
+    if isinstance(app, GatewayApp) and app.client_key_hashes:
+        header = request.headers.get("authorization", "")
+        return "key:" + hash_key(header.partition(" ")[2].strip())[:32]
+    client = request.scope.get("client")
+    return "addr:" + (client[0] if client else "unknown")
+
+
 def unauthorized_response() -> Response:
     return error_response(Unauthorized("missing or invalid API key"))
 
@@ -285,7 +296,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 drop=guarded_drop,
             )
             response = await until_disconnect(
-                request, runtime.guard.handle(parsed, headers, started)
+                request, runtime.guard.handle(parsed, headers, started, client_identity(request))
             )
         except GatewayError as exc:
             response = error_response(exc)

@@ -114,7 +114,8 @@ def check_config(args: argparse.Namespace) -> int:
     print(
         f"  guard: mode={settings.guard.mode}, max_attempts={settings.guard.max_attempts}, "
         f"on_exhausted={settings.guard.on_exhausted}, "
-        f"holdback_chars={settings.guard.stream.holdback_chars}"
+        f"stream hold-back: release after {settings.guard.stream.min_release_chars} healthy "
+        f"characters, ceiling {settings.holdback_for(None)}"
     )
     return 0
 

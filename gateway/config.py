@@ -102,12 +102,15 @@ class DetectorSettings(_Strict):
     punct_min_share: Annotated[float, Field(gt=0, le=1)] = 0.6
     #: An output that is nothing but one repeated punctuation character is degenerate
     #: from this length on (short corrupted answers: max_tokens 8 gives "!!!!!!!!").
-    punct_min_whole: Annotated[int, Field(ge=2)] = 6
+    #: 4, not 3: the legitimate corpus has whole answers "!!!" and "???".
+    punct_min_whole: Annotated[int, Field(ge=2)] = 4
     #: A trailing run this long is degenerate whatever precedes it.
     punct_min_tail_run: Annotated[int, Field(ge=2)] = 16
     #: Characters never counted as the repeated one (markdown rules, ellipses,
     #: tables, underlines): long legitimate runs of these are common.
     punct_ignore: str = "-=_.*#~`|+/\\<>"
+    #: No content (whitespace only) and no tool call: degenerate whatever the finish
+    #: reason, unless there is reasoning and the finish is "length" (see below).
     empty: bool = True
     #: Empty content with reasoning and finish_reason "length" is a model that ran
     #: out of tokens while thinking, not corruption.
@@ -119,6 +122,14 @@ class DetectorSettings(_Strict):
     token_loop_min_repeats: Annotated[int, Field(ge=4)] = 16
     token_loop_max_unit_chars: Annotated[int, Field(ge=1, le=256)] = 64
     malformed_tool_call: bool = True
+    #: Leaked tokenizer artifacts (<unk>, <pad>, [PAD], <0x00>, <|endoftext|>, U+FFFD):
+    #: a run of at least special_min_run of them (whitespace between allowed) that
+    #: makes up special_min_share of the visible output or ends it with at least
+    #: special_min_tail_run, or an output of nothing but them. One mention is fine.
+    special_tokens: bool = True
+    special_min_run: Annotated[int, Field(ge=2)] = 4
+    special_min_share: Annotated[float, Field(gt=0, le=1)] = 0.6
+    special_min_tail_run: Annotated[int, Field(ge=2)] = 16
     #: Extra regular expressions; a match anywhere in a choice's text is degenerate.
     deny_patterns: list[str] = Field(default_factory=list)
 
@@ -155,11 +166,24 @@ class AfterRelease(StrEnum):
 
 
 class RetryBudgetSettings(_Strict):
-    #: Retries may be at most this fraction of the requests seen in the window...
+    """Bounds retries that do not help; never the ones that recover (gateway.budget)."""
+
+    #: Retries are "recovering" while at least this share of recent retries came back
+    #: clean; they then run up to max_attempts, however many arrive at once...
+    min_recovery_ratio: Annotated[float, Field(ge=0, le=1)] = 0.2
+    #: ...or while fewer than this many recent retries failed (nothing to judge yet).
+    min_failed: Annotated[float, Field(ge=1)] = 3.0
+    #: When retries are not recovering, useless retries (failed, or in flight) in the
+    #: window may be at most this fraction of the requests in the window...
     ratio: Annotated[float, Field(ge=0)] = 0.2
-    #: ...plus this many retries per second, so a quiet server can still recover.
+    #: ...plus this many per second of window, so a quiet server can still recover.
     min_per_second: Annotated[float, Field(ge=0)] = 1.0
+    #: Time constant of the decaying "recent" counts, in seconds.
     window_s: Annotated[float, Field(gt=0)] = 10.0
+    #: Largest share of that allowance one client (API key, or address) may hold.
+    client_share: Annotated[float, Field(gt=0, le=1)] = 0.25
+    #: Clients remembered (LRU); one that falls out starts afresh.
+    max_clients: Annotated[int, Field(ge=1)] = 10_000
 
 
 class SaltReuseSettings(_Strict):
@@ -176,9 +200,17 @@ class SaltReuseSettings(_Strict):
 
 
 class StreamSettings(_Strict):
-    #: Visible characters held back before the first byte reaches the client.
-    #: 0 disables hold-back (streams are then only inspected and counted).
-    holdback_chars: Annotated[int, Field(ge=0)] = 32
+    """The adaptive hold-back (README, "Streams"): a stream's first byte is released
+    as soon as its held text is clearly healthy, and held while it is still
+    consistent with a degenerate pattern, up to a ceiling."""
+
+    #: Visible characters a stream must show before it can be released...
+    min_release_chars: Annotated[int, Field(ge=1)] = 20
+    #: ...and the ceiling: held at most this many visible characters, then judged.
+    #: null: large enough for every detector to decide (token_loop_min_repeats x
+    #: token_loop_max_unit_chars). 0 disables hold-back (streams are then only
+    #: inspected and counted).
+    holdback_chars: Annotated[int, Field(ge=0)] | None = None
     after_release: AfterRelease = AfterRelease.PASS
 
 
@@ -268,11 +300,20 @@ class Settings(BaseSettings):
             return override.detectors
         return self.guard.detectors
 
-    def holdback_for(self, model: str) -> int:
-        override = self.models.get(model)
+    def holdback_for(self, model: str | None) -> int:
+        """The hold-back ceiling for ``model``, in visible characters (0: off)."""
+        override = self.models.get(model) if model is not None else None
         if override is not None and override.holdback_chars is not None:
             return override.holdback_chars
-        return self.guard.stream.holdback_chars
+        if self.guard.stream.holdback_chars is not None:
+            return self.guard.stream.holdback_chars
+        d = self.detectors_for(model) if model is not None else self.guard.detectors
+        return max(
+            self.guard.stream.min_release_chars,
+            d.punct_min_tail_run,
+            d.special_min_tail_run * 8,
+            d.token_loop_min_repeats * d.token_loop_max_unit_chars,
+        )
 
 
 def _settings_class(file_data: dict[str, Any]) -> type[Settings]:

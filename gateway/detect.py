@@ -36,6 +36,7 @@ class DegenerateKind(StrEnum):
     REPETITION = "repetition"
     TOKEN_LOOP = "token_loop"
     MALFORMED_TOOL_CALL = "malformed_tool_call"
+    SPECIAL_TOKENS = "special_tokens"
     DENY_PATTERN = "deny_pattern"
 
 
@@ -52,6 +53,22 @@ class Verdict:
 CLEAN = Verdict()
 
 _WHITESPACE = re.compile(r"\s+")
+
+#: One leaked tokenizer artifact: SentencePiece/BERT/GPT specials, byte-fallback
+#: tokens, chat-template markers, and U+FFFD (bytes that did not decode).
+ARTIFACT = (
+    r"(?:<unk>|<pad>|<mask>|</?s>|<\|[A-Za-z0-9_]{1,40}\|>|\[(?:PAD|UNK|CLS|SEP|MASK)\]"
+    r"|<0x[0-9A-Fa-f]{2}>|\ufffd)"
+)
+_ARTIFACT_RUN = re.compile(rf"{ARTIFACT}(?:\s*{ARTIFACT})*")
+_ARTIFACT_ONE = re.compile(ARTIFACT)
+#: An artifact at the end of a stream's held text, perhaps followed by the start
+#: of another one that has not fully arrived ("<unk><un").
+_ARTIFACT_AT_END = re.compile(rf"{ARTIFACT}\s*(?:<[^\s<>]{{0,40}}|\[[A-Za-z]{{0,5}})?\Z")
+#: Shortest overlap for the stream hold-back to call a text "repeating itself"...
+_LOOP_MIN_OVERLAP = 3
+#: ...after a lead of at most this many characters.
+_LOOP_MAX_LEAD = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +132,37 @@ class Detector:
     def deny_pattern(self, text: str) -> bool:
         return any(p.search(text) for p in self._deny)
 
+    def special_tokens(self, text: str, *, complete: bool = True) -> bool:
+        """A run of leaked tokenizer artifacts dominates or ends the text (or is all of it)."""
+        s = self.settings
+        if not s.special_tokens:
+            return False
+        visible = 0
+        for match in _ARTIFACT_RUN.finditer(text):
+            run = len(_ARTIFACT_ONE.findall(match.group()))
+            if run < 3:
+                continue
+            if not visible:
+                visible = _visible_length(text)
+            run_visible = _visible_length(match.group())
+            rest = text[match.end() :]
+            if complete and run >= 3 and run_visible == visible:
+                return True  # nothing but artifacts
+            if run < s.special_min_run:
+                continue
+            if run_visible >= s.special_min_share * visible:
+                return True
+            if not rest.strip() and run >= s.special_min_tail_run:
+                return True
+        return False
+
     def text_kind(self, text: str, *, complete: bool = True) -> DegenerateKind | None:
         if not text:
             return None
         if self.punct_run(text, complete=complete):
             return DegenerateKind.PUNCT_RUN
+        if self.special_tokens(text, complete=complete):
+            return DegenerateKind.SPECIAL_TOKENS
         if self.token_loop(text):
             return DegenerateKind.TOKEN_LOOP
         if self._deny and self.deny_pattern(text):
@@ -139,13 +182,10 @@ class Detector:
         if s.malformed_tool_call and any(not _is_json(args) for args in choice.tool_arguments):
             return DegenerateKind.MALFORMED_TOOL_CALL
         if s.empty and not choice.tool_arguments and not choice.content.strip():
-            if choice.finish_reason == "stop":
-                return DegenerateKind.EMPTY
-            if (
-                s.empty_with_reasoning_on_length
-                and choice.finish_reason == "length"
-                and choice.reasoning.strip()
-            ):
+            # Reasoning that ran out of tokens before the answer is a model thinking
+            # long, not corruption (unless configured otherwise).
+            thinking_cut_short = choice.finish_reason == "length" and choice.reasoning.strip()
+            if not thinking_cut_short or s.empty_with_reasoning_on_length:
                 return DegenerateKind.EMPTY
         return None
 
@@ -214,15 +254,39 @@ def ends_in_loop(text: str, min_repeats: int, max_unit: int) -> bool:
         unit = text[-unit_len:]
         if text.endswith(unit * min_repeats) and _loop_unit_counts(unit):
             return True
-    return False
+    # One non-ASCII letter over and over ("我我我..."): twice the repeats, since a
+    # short run can be legitimate ("哈哈哈" is laughter).
+    last = text[-1:]
+    repeats = 2 * min_repeats
+    return (
+        bool(last)
+        and not last.isascii()
+        and last.isalpha()
+        and len(text) >= repeats
+        and text.endswith(last * repeats)
+    )
 
 
 @lru_cache(maxsize=1024)
 def _loop_unit_counts(unit: str) -> bool:
-    # A unit with no letter ("0, ", "|---") or a single distinct character ("zzz")
-    # is left to punct_run or treated as legitimate data.
+    # A unit with no letter ("0, ", "|---") or a single distinct character ("zzz",
+    # "AAAA" of base64) is left to punct_run or treated as legitimate data.
     letters = any(c.isalpha() for c in unit)
     return letters and len(set(unit.replace(" ", ""))) >= 2
+
+
+def repeats_itself(text: str, max_unit: int) -> bool:
+    """The text so far is one unit of up to ``max_unit`` characters over and over,
+    with at least a few characters of the repeat already there ("the the t"),
+    perhaps after a word or two ("Answer: click here click here cl")."""
+    n = len(text)
+    starts = [0]
+    starts.extend(i + 1 for i, c in enumerate(text[:_LOOP_MAX_LEAD]) if c == " ")
+    for start in starts:
+        for period in range(1, min(max_unit, n - start - _LOOP_MIN_OVERLAP) + 1):
+            if text[start + period :] == text[start : n - period]:
+                return True
+    return False
 
 
 def _is_json(text: str) -> bool:
@@ -305,7 +369,17 @@ class _StreamChoice:
     content_parts: list[str] = field(default_factory=list)
     reasoning_parts: list[str] = field(default_factory=list)
     tool_arguments: dict[int, list[str]] = field(default_factory=dict)
+    tool_visible: int = 0
     finish_reason: str | None = None
+
+    @property
+    def visible(self) -> int:
+        return self.content.visible + self.reasoning.visible + self.tool_visible
+
+    def texts(self) -> tuple[str, ...]:
+        """The choice's held text per field (content, reasoning, tool arguments)."""
+        tools = "".join("".join(parts) for _, parts in sorted(self.tool_arguments.items()))
+        return ("".join(self.content_parts), "".join(self.reasoning_parts), tools)
 
     def output(self) -> ChoiceOutput:
         return ChoiceOutput(
@@ -368,6 +442,7 @@ class StreamInspector:
                     args = _text(function.get("arguments"))
                     if args:
                         parts.append(args)
+                        state.tool_visible += len(args)
                         self.visible_chars += len(args)
 
     def _feed_text(self, tracker: PunctTracker, parts: list[str], text: str) -> None:
@@ -384,17 +459,74 @@ class StreamInspector:
                 return Verdict(DegenerateKind.PUNCT_RUN, index)
         return CLEAN
 
+    def release_decision(self, min_release_chars: int, expected_choices: int) -> Verdict | None:
+        """While a stream is held back: a degenerate verdict (reject it), CLEAN (release
+        it: every choice is clearly healthy), or None (keep holding).
+
+        A choice is clearly healthy once it shows ``min_release_chars`` visible
+        characters and its text is no longer consistent with a degenerate pattern:
+        it does not end in a run of one punctuation character or in a tokenizer
+        artifact, and it does not repeat itself (a loop with a unit shorter than the
+        text seen so far). Outputs that are degenerate from their first characters,
+        the field's failure, therefore stay held until a detector decides.
+        """
+        partial = self.partial_verdict()
+        if partial.degenerate:
+            return partial
+        if len(self.choices) < expected_choices:
+            return None
+        healthy = True
+        for index, state in self.choices.items():
+            if state.finish_reason is not None:  # this choice is complete: judge it whole
+                kind = self.detector.choice_kind(state.output())
+                if kind is not None:
+                    return Verdict(kind, index)
+                continue
+            texts = state.texts()
+            for text in texts:
+                kind = self.detector.text_kind(text, complete=False)
+                if kind is not None:
+                    return Verdict(kind, index)
+            if healthy and (state.visible < min_release_chars or any(map(self._suspicious, texts))):
+                healthy = False
+        return CLEAN if healthy else None
+
+    def hold_decision(
+        self, min_release_chars: int, expected_choices: int, ceiling: int, *, full: bool = False
+    ) -> Verdict | None:
+        """``release_decision``, and at the ceiling (or when the held bytes are ``full``)
+        a decision on what is held: the hold-back never outlasts its ceiling."""
+        decision = self.release_decision(min_release_chars, expected_choices)
+        if decision is None and (self.visible_chars >= ceiling or full):
+            decision = self.holdback_verdict()
+        return decision
+
+    def _suspicious(self, text: str) -> bool:
+        """The text so far could still become a degenerate pattern."""
+        if not text:
+            return False
+        settings = self.detector.settings
+        if trailing_run(text, self.detector.candidates) >= 2:
+            return True
+        if settings.special_tokens and _ARTIFACT_AT_END.search(text.rstrip()):
+            return True
+        return settings.token_loop and repeats_itself(
+            text.lstrip(), settings.token_loop_max_unit_chars
+        )
+
     def holdback_verdict(self) -> Verdict:
-        """Verdict at the end of the hold-back window: cheap incremental checks plus
-        the text detectors on what is held."""
+        """Verdict at the hold-back ceiling: cheap incremental checks plus the text
+        detectors on what is held; nothing visible at all is an empty answer."""
         partial = self.partial_verdict()
         if partial.degenerate:
             return partial
         for index, state in self.choices.items():
-            for text in ("".join(state.content_parts), "".join(state.reasoning_parts)):
+            for text in state.texts():
                 kind = self.detector.text_kind(text, complete=False)
                 if kind is not None:
                     return Verdict(kind, index)
+        if self.detector.settings.empty and self.visible_chars == 0:
+            return Verdict(DegenerateKind.EMPTY, 0)
         return CLEAN
 
     def final_verdict(self) -> Verdict:

@@ -20,6 +20,7 @@ import aiohttp
 import orjson
 from starlette.responses import Response
 
+from gateway.budget import Refusal, RetryBudget, RetryTicket
 from gateway.config import (
     AfterRelease,
     ExhaustedPolicy,
@@ -48,7 +49,7 @@ from gateway.evidence import EvidenceRecord, EvidenceStore, prompt_fingerprint
 from gateway.metrics import Metrics
 from gateway.relay import RelayResponse
 from gateway.request import GuardedRequest, attempt_overrides, body_with
-from gateway.retry import RetryBudget, SaltMemory, conversation_key
+from gateway.retry import SaltMemory, conversation_key
 from gateway.salt import fresh_salt
 from gateway.sse import DONE, SSEEvent, SSEParser
 from gateway.upstream import Backend, BackendPool, map_transport_errors, response_headers
@@ -58,6 +59,8 @@ log = logging.getLogger(__name__)
 ATTEMPTS_HEADER = "x-vllm-guard-attempts"
 VERDICT_HEADER = "x-vllm-guard-verdict"
 SSE_MEDIA_TYPE = "text/event-stream"
+#: Most bytes of one stream held back before the guard decides on what it has.
+MAX_HELD_BYTES = 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -92,6 +95,10 @@ class Trace:
     attempts: int = 0
     degenerate_seen: bool = False
     client_gone: bool = False
+    #: Who asked (API-key digest or address): the budget's fair-share key.
+    client: str = ""
+    #: The budget's grant for the attempt under way, when it is a retry.
+    ticket: RetryTicket | None = None
 
 
 @dataclass(slots=True)
@@ -212,6 +219,7 @@ class Guard:
         self.budget = RetryBudget(settings.guard.budget)
         self.salts = SaltMemory(settings.guard.salt_reuse)
         self._detectors: dict[str, Detector] = {}
+        self._holdback: dict[str | None, int] = {}
         self._default_detector = Detector(settings.guard.detectors)
         self._tokens_unreported: set[str] = set()
 
@@ -231,21 +239,28 @@ class Guard:
         return detector
 
     def holdback_for(self, model: str | None) -> int:
+        """The hold-back ceiling in visible characters (0: streams are not held)."""
         if self.mode is not GuardMode.ENFORCE:
             return 0
-        return (
-            self.settings.holdback_for(model)
-            if model
-            else self.settings.guard.stream.holdback_chars
-        )
+        ceiling = self._holdback.get(model)
+        if ceiling is None:
+            ceiling = self.settings.holdback_for(model if model in self.settings.models else None)
+            if model is None or model in self.settings.models:
+                self._holdback[model] = ceiling
+        return ceiling
 
     # -- the pipeline -------------------------------------------------------------
 
     async def handle(
-        self, request: GuardedRequest, headers: dict[str, str], started: float
+        self,
+        request: GuardedRequest,
+        headers: dict[str, str],
+        started: float,
+        client: str = "",
     ) -> Response:
         settings = self.settings.guard
         trace = Trace(
+            client=client,
             request=request,
             model=self.metrics.model_label(request.model),
             started=started,
@@ -268,7 +283,10 @@ class Guard:
             trace.attempts += 1
             try:
                 attempt = await self._attempt(request, backend, salt, headers, trace)
-            except (BackendUnreachable, UpstreamTimeout) as exc:
+            except (BackendUnreachable, UpstreamTimeout, UpstreamProtocolError) as exc:
+                self._settle(trace, recovered=False)
+                if isinstance(exc, UpstreamProtocolError):
+                    self.metrics.upstream_errors.labels(backend.name, "protocol").inc()
                 failover = self._failover_backend(backend, trace)
                 cause = repr(exc.__cause__) if exc.__cause__ is not None else exc.code
                 if failover is None:
@@ -285,8 +303,13 @@ class Guard:
                 backend = failover
                 continue
             except GatewayError:
+                self._settle(trace, recovered=False)
                 self._finish(trace, backend, "error")
                 raise
+            except BaseException:  # the client left: the retry's outcome is unknown
+                self._settle(trace, recovered=None)
+                raise
+            self._settle(trace, recovered=attempt.status == 200 and not attempt.verdict.degenerate)
             if attempt.status != 200 or not attempt.verdict.degenerate:
                 return self._release(attempt, trace)
             # Degenerate: count it, and retry if the policy and the budget allow.
@@ -297,7 +320,7 @@ class Guard:
             self._capture(attempt, trace, kind)
             if attempt.salt is not None and attempt.salt != request.client_salt:
                 self.salts.forget(trace.conversation, attempt.salt)
-            if self.mode is not GuardMode.ENFORCE or not self._may_retry(trace):
+            if self.mode is not GuardMode.ENFORCE or not self._may_retry(trace, backend):
                 return await self._exhausted(attempt, trace)
             await attempt.discard()
             if attempt.stream is not None:
@@ -316,15 +339,29 @@ class Guard:
             )
         except NoHealthyBackend:
             return None
-        return other if other is not failed and self._may_retry(trace) else None
+        # Failing over costs vLLM nothing (the failed attempt never reached it): only
+        # the per-request bound applies, not the budget.
+        if other is failed or trace.attempts >= self.settings.guard.max_attempts:
+            return None
+        return other
 
-    def _may_retry(self, trace: Trace) -> bool:
+    def _may_retry(self, trace: Trace, backend: Backend) -> bool:
+        """A degenerate answer: retry it if attempts remain and the budget grants it."""
         if trace.attempts >= self.settings.guard.max_attempts:
-            return False
-        if not self.budget.try_spend():
-            self.metrics.budget_exhausted.labels(trace.model).inc()
-            return False
-        return True
+            refusal: Refusal | RetryTicket = Refusal.MAX_ATTEMPTS
+        else:
+            refusal = self.budget.request_retry(backend.name, trace.client)
+        if isinstance(refusal, RetryTicket):
+            trace.ticket = refusal
+            return True
+        self.metrics.retries_refused.labels(trace.model, backend.name, refusal).inc()
+        return False
+
+    def _settle(self, trace: Trace, *, recovered: bool | None) -> None:
+        """The outcome of a granted retry goes back to the budget."""
+        if trace.ticket is not None:
+            self.budget.settle(trace.ticket, recovered=recovered)
+            trace.ticket = None
 
     def _retry_salt(self, trace: Trace, failed: str | None) -> str:
         remembered = self.salts.get(trace.conversation)
@@ -400,31 +437,46 @@ class Guard:
         try:
             payload = orjson.loads(attempt.body)
         except orjson.JSONDecodeError:
-            return  # not ours to judge; relayed as the backend sent it
+            payload = None
         if not isinstance(payload, dict):
-            return
+            # An HTML error page, a truncated or empty body: never "clean".
+            raise UpstreamProtocolError(
+                f"backend {attempt.backend.name} answered 200 with a body that is not a JSON object"
+            )
         attempt.usage = read_usage(payload)
         attempt.payload = payload
         if self.mode is not GuardMode.OFF:
             attempt.verdict = self.detector_for(request.model).inspect_body(payload)
 
     async def _hold_back(self, attempt: Attempt, trace: Trace) -> None:
-        """Read the stream until the guard can decide, keeping every byte back."""
+        """Read the stream until the guard can decide, keeping every byte back.
+
+        Adaptive: released as soon as the inspector finds the text clearly healthy,
+        held while it could still be degenerate, judged at the ceiling (or when the
+        held bytes reach MAX_HELD_BYTES: a flood of whitespace shows no characters)."""
         state = attempt.stream
         assert state is not None
-        window = self.holdback_for(trace.request.model)
-        if window == 0:
+        request = trace.request
+        ceiling = self.holdback_for(request.model)
+        if ceiling == 0:
             return
+        min_release = min(self.settings.guard.stream.min_release_chars, ceiling)
+        inspector = state.inspector
+        held_bytes = 0
         async for forward in state.batches():
             state.held.extend(forward)
             if state.ended():
                 break
-            if state.inspector.visible_chars >= window:
-                attempt.verdict = state.inspector.holdback_verdict()
+            held_bytes += sum(map(len, forward))
+            decision = inspector.hold_decision(
+                min_release, request.n, ceiling, full=held_bytes >= MAX_HELD_BYTES
+            )
+            if decision is not None:
+                attempt.verdict = decision
                 return
         attempt.usage = state.usage
         if state.done and not state.upstream_error:
-            attempt.verdict = state.inspector.final_verdict()
+            attempt.verdict = inspector.final_verdict()
 
     # -- releasing to the client ----------------------------------------------------
 

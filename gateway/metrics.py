@@ -116,10 +116,19 @@ class Metrics:
             ["model", "backend", "reason"],
             registry=r,
         )
-        self.budget_exhausted = Counter(
-            "vllm_guard_retry_budget_exhausted",
-            "Retries refused because the global retry budget was spent.",
-            ["model"],
+        self.retries_refused = Counter(
+            "vllm_guard_retries_refused",
+            "Degenerate answers not retried, by reason: max_attempts (the per-request "
+            "bound), budget (retries stopped recovering and the useless-load allowance "
+            "is spent), client_share (this client holds its share of that allowance).",
+            ["model", "backend", "reason"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "vllm_guard_upstream_errors",
+            "Backend answers the gateway could not use, by kind: protocol (a 200 whose "
+            "body is not a JSON object, or a broken stream).",
+            ["backend", "kind"],
             registry=r,
         )
         self.prompt_tokens = Counter(

@@ -1,12 +1,11 @@
-"""Retry policy state: the global retry budget and the per-conversation salt memory.
+"""Retry policy state: the per-conversation salt memory (the budget is gateway.budget).
 
-Both are per process (per worker, per replica): see README, "State".
+Per process (per worker, per replica): see README, "State".
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -14,53 +13,7 @@ from typing import Any
 
 import orjson
 
-from gateway.config import RetryBudgetSettings, SaltReuseSettings
-
-
-class RetryBudget:
-    """Retries allowed: ``ratio`` x requests in the window + ``min_per_second`` x window.
-
-    Counts live in one-second buckets, so both recording and checking are O(1)
-    amortised and memory is bounded by the window length.
-    """
-
-    def __init__(
-        self, settings: RetryBudgetSettings, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.settings = settings
-        self.clock = clock
-        self._size = max(1, math.ceil(settings.window_s))
-        self._requests = [0] * self._size
-        self._retries = [0] * self._size
-        self._second = [0] * self._size
-
-    def _slot(self) -> int:
-        now = int(self.clock())
-        slot = now % self._size
-        if self._second[slot] != now:
-            self._second[slot] = now
-            self._requests[slot] = 0
-            self._retries[slot] = 0
-        return slot
-
-    def _window_sum(self, counts: list[int]) -> int:
-        oldest = int(self.clock()) - self._size + 1
-        return sum(c for c, s in zip(counts, self._second, strict=True) if s >= oldest)
-
-    def record_request(self) -> None:
-        self._requests[self._slot()] += 1
-
-    def try_spend(self) -> bool:
-        """Take one retry from the budget; False when it is spent."""
-        slot = self._slot()
-        allowed = (
-            self.settings.ratio * self._window_sum(self._requests)
-            + self.settings.min_per_second * self.settings.window_s
-        )
-        if self._window_sum(self._retries) + 1 > allowed:
-            return False
-        self._retries[slot] += 1
-        return True
+from gateway.config import SaltReuseSettings
 
 
 def conversation_key(

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.config import DetectorSettings
-from gateway.detect import ChoiceOutput, DegenerateKind, Detector, PunctTracker
+from gateway.detect import CLEAN, ChoiceOutput, DegenerateKind, Detector, PunctTracker
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 DETECTOR = Detector(DetectorSettings())
@@ -57,7 +57,9 @@ def test_degenerate_output_is_flagged_with_its_kind(entry: dict[str, Any]) -> No
     ("choice", "expected"),
     [
         (ChoiceOutput(content="", finish_reason="stop"), DegenerateKind.EMPTY),
-        (ChoiceOutput(content="", finish_reason="length"), None),
+        (ChoiceOutput(content="", finish_reason="length"), DegenerateKind.EMPTY),
+        (ChoiceOutput(content=" \n", finish_reason="length"), DegenerateKind.EMPTY),
+        (ChoiceOutput(content=" ", tool_arguments=("{}",), finish_reason="tool_calls"), None),
         (ChoiceOutput(content="", reasoning="thinking...", finish_reason="length"), None),
         (ChoiceOutput(content="ok", finish_reason="repetition"), DegenerateKind.REPETITION),
         (ChoiceOutput(content="", tool_arguments=("{}",), finish_reason="tool_calls"), None),
@@ -138,3 +140,120 @@ def test_one_word_without_loops_is_clean(text: str) -> None:
     # A single alphanumeric word is never punct_run or empty.
     kind = DETECTOR.choice_kind(ChoiceOutput(content=text, finish_reason="stop"))
     assert kind in (None, DegenerateKind.TOKEN_LOOP)
+
+
+# -- the adaptive stream hold-back ---------------------------------------------------
+
+MIN_RELEASE = 20  # the default min_release_chars
+CEILING = 1024  # the default ceiling: token_loop_min_repeats x token_loop_max_unit_chars
+
+
+def delta(content: str, finish: str | None = None, field: str = "content") -> dict[str, Any]:
+    if field == "tool_arguments":
+        call = {"index": 0, "type": "function", "function": {"name": "act", "arguments": content}}
+        body: dict[str, Any] = {"tool_calls": [call]}
+    else:
+        body = {"content": content}
+    return {"choices": [{"index": 0, "delta": body, "finish_reason": finish}]}
+
+
+def stream_hold_back(
+    text: str, cuts: list[int], finish: str, field: str = "content"
+) -> tuple[DegenerateKind | None, int | None]:
+    """Feed ``text`` in pieces as the guard does; return (verdict kind, visible characters
+    held at release, or None when the stream ended before a decision)."""
+    inspector = DETECTOR.stream_inspector()
+    inspector.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    bounds = sorted({c for c in cuts if 0 < c < len(text)})
+    for start, end in zip([0, *bounds], [*bounds, len(text)], strict=True):
+        inspector.feed(delta(text[start:end], field=field))
+        decision = inspector.hold_decision(MIN_RELEASE, 1, CEILING)
+        if decision is not None:
+            return decision.kind, inspector.visible_chars
+    inspector.feed(delta("", finish))
+    decision = inspector.hold_decision(MIN_RELEASE, 1, CEILING)
+    if decision is not None:
+        return decision.kind, inspector.visible_chars
+    return inspector.final_verdict().kind, None
+
+
+def finish_of(entry: dict[str, Any]) -> str:
+    if entry.get("field") == "tool_arguments":
+        return "tool_calls"
+    return str(entry.get("finish_reason", "stop" if entry["text"] else "length"))
+
+
+STREAMABLE = [e for e in DEGENERATE if e.get("field") != "tool_arguments"]
+#: Degenerate from the first characters: the field's failure (a corrupt state yields
+#: garbage from the first sampled token).
+FROM_THE_START = [e for e in STREAMABLE if "onset" not in e]
+#: Entries with an "onset" start healthy and turn degenerate at that character:
+#: corruption after a healthy start is the after_release policy's job.
+AFTER_A_HEALTHY_START = [e for e in STREAMABLE if "onset" in e]
+cut_lists = st.lists(st.integers(min_value=1, max_value=2000), max_size=40)
+
+
+@pytest.mark.parametrize(
+    "entry", FROM_THE_START, ids=lambda e: f"{e['kind']}:{str(e['text'])[:30]!r}"
+)
+@settings(max_examples=40, deadline=None)
+@given(cuts=cut_lists)
+def test_degenerate_stream_is_judged_before_release_as_if_whole(
+    entry: dict[str, Any], cuts: list[int]
+) -> None:
+    """However it is chunked, a stream degenerate from its start gets, before
+    anything is released, the verdict the whole answer gets non-streamed."""
+    kind, _ = stream_hold_back(entry["text"] or "", cuts, finish_of(entry))
+    assert kind == DETECTOR.choice_kind(as_choice(entry)) == DegenerateKind(entry["kind"])
+
+
+@pytest.mark.parametrize(
+    "entry", AFTER_A_HEALTHY_START, ids=lambda e: f"{e['kind']}:{str(e['text'])[:30]!r}"
+)
+def test_corruption_after_a_healthy_start_is_seen_after_release(entry: dict[str, Any]) -> None:
+    """Held while the start is too short to judge, released once it looks healthy; the
+    inspector still flags what follows (counted, or cut with after_release: cut)."""
+    text = entry["text"]
+    onset = entry["onset"]
+    inspector = DETECTOR.stream_inspector()
+    inspector.feed(delta(text[:onset]))
+    before = inspector.release_decision(MIN_RELEASE, 1)
+    assert before is None or before == CLEAN  # nothing degenerate in the healthy start
+    inspector.feed(delta(text[onset:], finish_of(entry)))
+    assert inspector.partial_verdict().degenerate or inspector.final_verdict().degenerate
+
+
+@pytest.mark.parametrize("entry", LEGITIMATE, ids=lambda e: f"{e['category']}:{e['text'][:30]!r}")
+@settings(max_examples=15, deadline=None)
+@given(cuts=cut_lists)
+def test_healthy_stream_is_released_clean_and_never_held_past_the_ceiling(
+    entry: dict[str, Any], cuts: list[int]
+) -> None:
+    text = entry["text"]
+    kind, released_at = stream_hold_back(text, cuts, finish_of(entry), entry.get("field", ""))
+    assert kind is None
+    if released_at is not None:
+        bounds = sorted({c for c in cuts if 0 < c < len(text)})
+        piece = max(b - a for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True))
+        assert released_at <= CEILING + piece
+
+
+def test_healthy_prose_is_released_after_min_release_chars() -> None:
+    """A typical answer, token by token, goes out as soon as 20 visible characters
+    look healthy (the fixed window held 32)."""
+    text = "The submit button is at the bottom right of the form."
+    words = [len(" ".join(text.split(" ")[:i])) for i in range(1, 12)]
+    kind, released_at = stream_hold_back(text, words, "stop")
+    assert kind is None
+    assert released_at is not None and 20 <= released_at <= 26
+
+
+@pytest.mark.parametrize(
+    "held",
+    ["Wow!!", "the the the the the the", "<unk><unk><unk><un", "Let me think. Let me think.",
+     "我" * 24, "Answer: click here click here cl"],
+)  # fmt: skip
+def test_text_that_may_still_turn_degenerate_is_held(held: str) -> None:
+    inspector = DETECTOR.stream_inspector()
+    inspector.feed(delta(held))
+    assert inspector.release_decision(4, 1) is None

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.config import RetryBudgetSettings, SaltReuseSettings
+from gateway.config import SaltReuseSettings
 from gateway.errors import BadRequest, InvalidCacheSalt
 from gateway.request import attempt_overrides, body_with, parse_guarded
-from gateway.retry import RetryBudget, SaltMemory, conversation_key
+from gateway.retry import SaltMemory, conversation_key
 from gateway.salt import EMPTY_SALT_MESSAGE, INVALID_SALT_MESSAGE, fresh_salt, salt_problem
 from gateway.sse import SSEParser
 
@@ -184,17 +184,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def test_budget_allows_ratio_plus_floor_then_refuses() -> None:
-    clock = Clock()
-    budget = RetryBudget(RetryBudgetSettings(ratio=0.1, min_per_second=0.5, window_s=10), clock)
-    for _ in range(100):
-        budget.record_request()
-    allowed = sum(budget.try_spend() for _ in range(100))
-    assert allowed == 15  # 0.1 * 100 + 0.5 * 10
-    clock.now += 11  # the window has passed
-    assert budget.try_spend()
 
 
 def test_salt_memory_lru_ttl_and_rotation() -> None:
