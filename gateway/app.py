@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -27,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from gateway import __version__
 from gateway.config import Settings, load_settings
 from gateway.errors import (
+    BadRequest,
     GatewayError,
     HeadersTooLarge,
     PayloadTooLarge,
@@ -125,6 +127,21 @@ async def until_disconnect(request: Request, work: Awaitable[_T]) -> _T:
 
 GUARDED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 GuardedHandler = Callable[[Request, str], Awaitable[Response]]
+_REPEATED_SLASHES = re.compile(r"/{2,}")
+
+
+def has_dot_segment(path: str) -> bool:
+    """``.`` or ``..`` as a path segment (``path`` is already percent-decoded, so
+    ``%2e%2e`` counts too). Such a path never reaches a backend: vLLM's router and
+    any proxy in between may resolve it differently from the gateway."""
+    return any(segment in (".", "..") for segment in path.split("/"))
+
+
+def route_path(path: str) -> str:
+    """The path as routing sees it: repeated slashes collapsed, no trailing slash, so
+    ``//v1//chat/completions/`` cannot reach a guarded endpoint unguarded."""
+    collapsed = _REPEATED_SLASHES.sub("/", path)
+    return collapsed.rstrip("/") or "/"
 
 
 class GatewayApp(FastAPI):
@@ -148,23 +165,31 @@ class GatewayApp(FastAPI):
     #: Largest total size of a request's headers.
     max_header_bytes: int = 64 * 1024
 
+    #: Paths answered by the gateway itself without a client key (GET and HEAD only).
+    open_paths: frozenset[str] = frozenset({"/healthz", "/readyz"})
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and (
-            sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes
-        ):
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
             too_large = HeadersTooLarge(f"request headers exceed {self.max_header_bytes} bytes")
             await error_response(too_large)(scope, receive, send)
             return
+        if has_dot_segment(scope["path"]):
+            bad = BadRequest("the request path must not contain '.' or '..' segments")
+            await error_response(bad)(scope, receive, send)
+            return
+        path = route_path(scope["path"])
         if (
             self.client_key_hashes
-            and scope["type"] == "http"
-            and scope["path"] not in UNAUTHENTICATED_PATHS
+            and not (scope["method"] in ("GET", "HEAD") and path in self.open_paths)
             and not key_allowed(scope, self.client_key_hashes)
         ):
             await unauthorized_response()(scope, receive, send)
             return
-        if scope["type"] == "http" and scope["method"] == "POST" and self.guarded_handler:
-            endpoint = GUARDED_PATHS.get(scope["path"])
+        if scope["method"] == "POST" and self.guarded_handler:
+            endpoint = GUARDED_PATHS.get(path)
             if endpoint is not None:
                 scope["app"] = self
                 request = Request(scope, receive, send)
@@ -176,9 +201,6 @@ class GatewayApp(FastAPI):
                 await response(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
-
-
-UNAUTHENTICATED_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 
 
 def hash_key(key: str) -> str:
@@ -311,6 +333,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.guarded_handler = guarded
     app.client_key_hashes = tuple(settings.auth.api_key_sha256)
     app.max_header_bytes = settings.server.max_header_bytes
+    if settings.metrics.enabled and settings.metrics.port is None:
+        # Our own /metrics (it checks metrics.api_key_sha256 itself); otherwise a
+        # keyless GET /metrics would reach vLLM's through the proxy.
+        app.open_paths = app.open_paths | {"/metrics"}
 
     # Also registered as routes, for the OpenAPI description; GatewayApp.__call__
     # answers them before FastAPI's routing does.
@@ -367,13 +393,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         include_in_schema=False,
     )
     async def proxy(request: Request, path: str) -> Response:
-        """Any other path: proxied verbatim, bodies streamed both ways."""
+        """Any other path: proxied verbatim; the body read whole (bounded), reply streamed."""
         runtime = runtime_of(request)
         request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
         raw_path = request.scope.get("raw_path") or request.url.path.encode()
         try:
+            # Read whole, within the body limit, before anything goes upstream: a
+            # streamed body would reach the backend before the limit could refuse it.
+            body = (
+                await read_body(request, settings.server.max_body_bytes)
+                if request.method not in ("GET", "HEAD")
+                else None
+            )
             backend = runtime.pool.choose_first(0.0, runtime.guard.rng)
-            body = request.stream() if request.method not in ("GET", "HEAD") else None
             headers = forward_headers(
                 request.headers.items(),
                 request_id=request_id,

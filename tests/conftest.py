@@ -21,11 +21,6 @@ import openai
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-# Property tests explore the same examples on every run (seeded from each test's
-# name): a CI run cannot fail on an example the last local run never tried.
-hypothesis_settings.register_profile("seeded", derandomize=True, print_blob=True)
-hypothesis_settings.load_profile("seeded")
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from support.servers import (
@@ -37,6 +32,11 @@ from support.servers import (
 )
 
 ARTIFACTS = Path(os.environ.get("VLLM_GUARD_TEST_ARTIFACTS", "/tmp/vllm-guard-test"))
+
+# Property tests explore the same examples on every run (seeded from each test's
+# name): a CI run cannot fail on an example the last local run never tried.
+hypothesis_settings.register_profile("seeded", derandomize=True, print_blob=True)
+hypothesis_settings.load_profile("seeded")
 
 
 @pytest.fixture(scope="session")

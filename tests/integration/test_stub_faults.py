@@ -3,6 +3,7 @@ upstream 503, a backend that never answers, bad bodies and limits."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 
@@ -113,15 +114,39 @@ def test_backend_that_never_answers_is_a_504(
     assert response.json()["error"]["type"] == "timeout"
 
 
-def test_non_json_success_body_is_relayed_unjudged(
-    stub: StubBackend, gateway_for: GatewayFactory
+@pytest.mark.parametrize("scenario", ["not-json", "truncated-json", "empty-body"])
+def test_a_success_that_is_not_a_json_object_is_a_counted_502(
+    stub: StubBackend, gateway_for: GatewayFactory, scenario: str
 ) -> None:
+    """An HTML page, a truncated or an empty body with status 200 is never "clean"."""
     gateway = gateway_for(stub.url)
     response = httpx.post(
-        gateway.url + "/v1/chat/completions", json=BODY, headers={"x-stub-scenario": "not-json"}
+        gateway.url + "/v1/chat/completions", json=BODY, headers={"x-stub-scenario": scenario}
     )
-    assert response.status_code == 200
-    assert response.text == "<html>oops</html>"
+    assert response.status_code == 502
+    assert response.json()["error"]["code"] == "upstream_protocol_error"
+    metrics = httpx.get(gateway.url + "/metrics").text
+    assert 'vllm_guard_upstream_errors_total{backend="vllm0",kind="protocol"} 1.0' in metrics
+    assert 'verdict="error"} 1.0' in metrics
+
+
+def test_a_success_that_is_not_json_fails_over_to_another_backend(
+    gateway_for: GatewayFactory,
+) -> None:
+    with StubBackend() as html, StubBackend() as good:
+        html.state.forced_scenario = "not-json"
+        gateway = gateway_for(
+            [],
+            backends=[
+                {"name": "html", "url": html.url, "weight": 1000},  # nearly always first
+                {"name": "good", "url": good.url, "weight": 0.001},
+            ],
+        )
+        for _ in range(3):
+            response = httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=30)
+            assert response.status_code == 200
+            assert "button" in response.json()["choices"][0]["message"]["content"]
+        assert html.state.requests, "the HTML backend was never tried"
 
 
 @pytest.mark.parametrize(
@@ -263,3 +288,79 @@ def test_backend_closing_a_pooled_connection_is_not_an_error(gateway_for: Gatewa
         assert list(pool.map(ask, range(3))) == ["fine"] * 3
     for _ in range(3):  # each takes a dead pooled connection first
         assert ask() == "fine"
+
+
+def raw_post(url: str, path: bytes, body: bytes, extra: bytes = b"") -> tuple[int, bytes, bytes]:
+    """POST with the path exactly as given: no client library normalises it."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(
+            b"POST " + path + b" HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            + extra + b"Content-Length: " + str(len(body)).encode() + b"\r\n"
+            + b"Connection: close\r\n\r\n" + body
+        )  # fmt: skip
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), head, payload
+
+
+DOT_PATHS = [
+    b"/v1/./chat/completions",
+    b"/v1/x/../chat/completions",
+    b"/v1/%2e%2e/v1/chat/completions",
+    b"/v1/%2E/chat/completions",
+    b"/v1/chat/completions/..",
+    b"/./v1/models",
+]
+SPELLINGS_OF_CHAT = [
+    b"//v1/chat/completions",
+    b"/v1//chat/completions",
+    b"/v1/chat/completions/",
+    b"/v1/chat//completions//",
+    b"/v1%2Fchat%2Fcompletions",
+]
+
+
+@pytest.mark.parametrize("path", DOT_PATHS, ids=lambda p: p.decode())
+def test_dot_segments_never_reach_a_backend(
+    stub: StubBackend, gateway_for: GatewayFactory, path: bytes
+) -> None:
+    gateway = gateway_for(stub.url)
+    status, _, payload = raw_post(gateway.url, path, orjson.dumps(BODY))
+    assert status == 400
+    assert orjson.loads(payload)["error"]["type"] == "BadRequestError"
+    assert stub.state.requests == []
+    assert stub.state.paths == []
+
+
+@pytest.mark.parametrize("path", SPELLINGS_OF_CHAT, ids=lambda p: p.decode())
+def test_every_spelling_of_a_guarded_path_is_guarded(
+    stub: StubBackend, gateway_for: GatewayFactory, path: bytes
+) -> None:
+    """A spelling vLLM might route to chat completions gets the guard (verdict header,
+    body limit) and reaches the backend as the canonical path."""
+    gateway = gateway_for(stub.url, server={"max_body_bytes": 4096})
+    status, head, _ = raw_post(gateway.url, path, orjson.dumps(BODY))
+    assert status == 200
+    assert b"x-vllm-guard-verdict: clean" in head.lower()
+    assert [h[":path"] for h in stub.state.headers] == ["/v1/chat/completions"]
+    too_big = orjson.dumps({**BODY, "pad": "x" * 5000})
+    status, _, _ = raw_post(gateway.url, path, too_big)
+    assert status == 413
+    assert len(stub.state.requests) == 1
+
+
+def test_the_body_limit_applies_to_proxied_paths(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    gateway = gateway_for(stub.url, server={"max_body_bytes": 4096})
+    status, _, payload = raw_post(gateway.url, b"/v1/embeddings", b"x" * 5000)
+    assert status == 413
+    assert orjson.loads(payload)["error"]["code"] == "payload_too_large"
+    chunked = httpx.post(gateway.url + "/tokenize", content=iter([b"{", b" " * 5000, b"}"]))
+    assert chunked.status_code == 413
+    assert stub.state.paths == []
+    small = httpx.post(gateway.url + "/tokenize", content=b"{}")
+    assert small.status_code == 200

@@ -12,6 +12,11 @@ sampled tokens are then rewritten, as the bug does:
 ``VG_POISON_KINDS`` (``bang,eos`` by default) lists the kinds; the block hash picks
 one. A request may override both with ``"vllm_xargs": {"vg_poison_rate": 0.5,
 "vg_poison_kinds": "bang"}``, so one test server serves clean and poisoned tests.
+
+``"vllm_xargs": {"vg_poison_all": "bang"}`` poisons a request whether or not it hit
+the cache: a backend broken for everyone (a bad kernel or weights), where a salted
+retry comes back degenerate too. It models no cache mechanism, only "retries do
+not help", which is what the gateway's retry budget must recognise.
 Because the decision depends on the cached block's hash, the corruption rate
 tracks the hit rate, a request with a fresh ``cache_salt`` misses every
 poisoned block and comes back clean, and a poisoned chain stays poisoned for
@@ -52,6 +57,9 @@ class PoisonScheduler(AsyncScheduler):
     def _poison_kind(self, request: Any) -> str:
         stats = request.prefill_stats
         extra = getattr(request.sampling_params, "extra_args", None) or {}
+        broken = str(extra.get("vg_poison_all", ""))
+        if broken in ("bang", "eos"):
+            return broken
         rate = float(extra.get("vg_poison_rate", self.poison_rate))
         kinds = [k for k in str(extra.get("vg_poison_kinds", "")).split(",") if k]
         kinds = kinds or self.poison_kinds

@@ -42,6 +42,8 @@ class StubState:
         self.headers: list[dict[str, str]] = []
         self.paths: list[str] = []
         self.open_streams = 0
+        #: When set, every completion request plays this scenario (the header aside).
+        self.forced_scenario: str | None = None
 
 
 def build_app(state: StubState) -> Starlette:
@@ -74,7 +76,7 @@ def build_app(state: StubState) -> Starlette:
         body = orjson.loads(await request.body())
         state.requests.append(body)
         state.headers.append({":path": request.url.path, **request.headers})
-        scenario = request.headers.get("x-stub-scenario", "clean")
+        scenario = state.forced_scenario or request.headers.get("x-stub-scenario", "clean")
         if scenario == "503":
             return JSONResponse(
                 {"error": {"message": "overloaded", "type": "ServiceUnavailable", "param": None,
@@ -85,6 +87,10 @@ def build_app(state: StubState) -> Starlette:
             await asyncio.sleep(3600)
         if scenario == "not-json":
             return Response(b"<html>oops</html>", media_type="text/html")
+        if scenario == "truncated-json":
+            return Response(b'{"id": "cmpl-stub", "choices": [{"ind', media_type="application/json")
+        if scenario == "empty-body":
+            return Response(b"", media_type="application/json")
         if body.get("stream"):
             return StreamingResponse(scenario_stream(scenario), media_type="text/event-stream")
         answer = JSONResponse(
@@ -114,7 +120,7 @@ def build_app(state: StubState) -> Starlette:
             Route("/v1/chat/completions", completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/health", health),
-            Route("/{rest:path}", anything, methods=["GET", "POST"]),
+            Route("/{rest:path}", anything, methods=["GET", "POST", "PUT", "DELETE"]),
         ]
     )
 

@@ -144,7 +144,8 @@ def test_unknown_outcome_returns_the_reservation_without_judging() -> None:
     assert isinstance(first, RetryTicket)
     b2.settle(first, recovered=False)
     t = b2.request_retry("vllm", "b")
-    assert isinstance(t, RetryTicket) and t.reserved
+    assert isinstance(t, RetryTicket)
+    assert t.reserved
     b2.settle(t, recovered=None)
     b2.settle(t, recovered=False)  # settling twice does nothing
     assert b2._reserved == 0

@@ -245,7 +245,8 @@ def test_healthy_prose_is_released_after_min_release_chars() -> None:
     words = [len(" ".join(text.split(" ")[:i])) for i in range(1, 12)]
     kind, released_at = stream_hold_back(text, words, "stop")
     assert kind is None
-    assert released_at is not None and 20 <= released_at <= 26
+    assert released_at is not None
+    assert 20 <= released_at <= 26
 
 
 @pytest.mark.parametrize(
