@@ -467,8 +467,9 @@ class StreamInspector:
         characters and its text is no longer consistent with a degenerate pattern:
         it does not end in a run of one punctuation character or in a tokenizer
         artifact, and it does not repeat itself (a loop with a unit shorter than the
-        text seen so far). Outputs that are degenerate from their first characters,
-        the field's failure, therefore stay held until a detector decides.
+        text seen so far). Tool calls are held until they finish. Outputs that are
+        degenerate from their first characters, the field's failure, therefore stay
+        held until a detector decides.
         """
         partial = self.partial_verdict()
         if partial.degenerate:
@@ -487,7 +488,14 @@ class StreamInspector:
                 kind = self.detector.text_kind(text, complete=False)
                 if kind is not None:
                     return Verdict(kind, index)
-            if healthy and (state.visible < min_release_chars or any(map(self._suspicious, texts))):
+            # A tool call is held until its choice finishes: its arguments are judged
+            # whole (malformed JSON shows only at the end) and no client can act on
+            # half a call anyway.
+            if healthy and (
+                state.visible < min_release_chars
+                or state.tool_visible
+                or any(map(self._suspicious, texts))
+            ):
                 healthy = False
         return CLEAN if healthy else None
 

@@ -208,8 +208,8 @@ def latency_section(vllm_url: str, quick: bool) -> list[str]:
         scenarios = [
             ("non-stream", False, kdef, "total"),
             ("stream TTFT, K=0", True, k0, "ttft"),
-            ("stream TTFT, K=32 (default)", True, kdef, "ttft"),
-            ("stream total, K=32", True, kdef, "total"),
+            ("stream TTFT, adaptive hold-back (default)", True, kdef, "ttft"),
+            ("stream total, adaptive", True, kdef, "total"),
         ]
         for concurrency in (1, 32):
             results: dict[str, dict[str, list[Sample]]] = {}
@@ -232,7 +232,11 @@ def latency_section(vllm_url: str, quick: bool) -> list[str]:
                     cpu[name] += gw.cpu_seconds() - before
                     counts[name] += n
             for name, _stream, _gw, field in scenarios:
-                source = "stream TTFT, K=32 (default)" if name.startswith("stream total") else name
+                source = (
+                    "stream TTFT, adaptive hold-back (default)"
+                    if name.startswith("stream total")
+                    else name
+                )
                 direct = [getattr(s, f"{field}_s") * 1000 for s in results[source]["direct"]]
                 through = [getattr(s, f"{field}_s") * 1000 for s in results[source]["gateway"]]
                 d50, d99, g50, g99 = (

@@ -69,6 +69,45 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 """
 
 
+#: The floor for a Python proxy: aiohttp server + aiohttp client, bodies and events
+#: relayed chunk by chunk, nothing inspected. The gateway's target is 1.2x its CPU.
+AIOHTTP_PROXY = r"""
+import sys, aiohttp
+from aiohttp import web
+UPSTREAM = sys.argv[2]
+HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
+async def proxy(request):
+    session = request.app["session"]
+    body = await request.read()
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+    async with session.request(request.method, UPSTREAM + request.path_qs, data=body,
+                               headers=headers) as upstream:
+        out = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP}
+        response = web.StreamResponse(status=upstream.status, headers=out)
+        await response.prepare(request)
+        async for chunk in upstream.content.iter_any():
+            await response.write(chunk)
+        await response.write_eof()
+        return response
+async def start(app):
+    app["session"] = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=512), auto_decompress=False)
+async def stop(app):
+    await app["session"].close()
+app = web.Application(client_max_size=64 * 1024 * 1024)
+app.on_startup.append(start)
+app.on_cleanup.append(stop)
+app.router.add_route("*", "/{tail:.*}", proxy)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None)
+"""
+
+
+def aiohttp_peer(stub_url: str) -> ServiceProcess:
+    port = free_port()
+    command = [sys.executable, "-c", AIOHTTP_PROXY, str(port), stub_url]
+    return ServiceProcess("peer-aiohttp", command, port, "/health")
+
+
 LITELLM_VENV = Path(os.environ.get("LITELLM_VENV", Path.home() / ".cache/vllm-guard/litellm-venv"))
 NGINX_CONF = """
 worker_processes 1;
@@ -168,7 +207,8 @@ async def load(
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--peers", default="nginx,litellm", help="comma list; '' for none")
+    parser.add_argument("--peers", default="aiohttp,nginx,litellm", help="comma list; '' for none")
+    parser.add_argument("--only", default="", help="scenario names containing this text")
     args = parser.parse_args()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -190,6 +230,8 @@ def main() -> None:
             gateway = stack.enter_context(GatewayProcess(stub_url, "proxy-bench"))
             proxies: list[tuple[str, ServiceProcess]] = [("vllm-guard", gateway)]
             peers = [p for p in args.peers.split(",") if p]
+            if "aiohttp" in peers:
+                proxies.append(("aiohttp", stack.enter_context(aiohttp_peer(stub_url))))
             if "nginx" in peers:
                 proxies.append(("nginx", stack.enter_context(nginx_peer(port))))
             if "litellm" in peers:
@@ -203,6 +245,8 @@ def main() -> None:
             # events cost what the stream costs beyond one such request.
             request_cpu: dict[tuple[str, int], float] = {}
             for name, body, concurrency, requests, events in scenarios:
+                if args.only and args.only not in name and not name.startswith("small"):
+                    continue
                 direct: list[Run] = []
                 through: dict[str, list[Run]] = {p: [] for p, _ in proxies}
                 cpu = dict.fromkeys(through, 0.0)
