@@ -42,11 +42,17 @@ class RelayResponse(Response):
         current = asyncio.current_task()
         assert current is not None
         disconnected = False
+        complete = False
 
         async def watch() -> None:
             nonlocal disconnected
             while (await receive())["type"] != "http.disconnect":
                 pass
+            if complete:
+                # uvicorn answers receive() with http.disconnect once the response is
+                # complete: that is the end of a stream the client read, not a client
+                # that left (a keep-alive connection stays open after it).
+                return
             disconnected = True
             if self.on_client_gone is not None:
                 self.on_client_gone()
@@ -63,11 +69,13 @@ class RelayResponse(Response):
             )
             async for chunk in self.chunks:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
             # A relay that found every chunk already buffered never waited, so a
             # client that left meanwhile (the server drops sends to a closed
-            # connection) has woken the watcher but not yet been seen: let it run.
+            # connection) has woken the watcher but not yet been seen: let it run
+            # before the last frame makes every receive() say "disconnect".
             await asyncio.sleep(0)
+            complete = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not disconnected:
                 raise  # the server is stopping this request, not the client

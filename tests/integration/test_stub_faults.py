@@ -364,3 +364,20 @@ def test_the_body_limit_applies_to_proxied_paths(
     assert stub.state.paths == []
     small = httpx.post(gateway.url + "/tokenize", content=b"{}")
     assert small.status_code == 200
+
+
+def test_streams_read_to_the_end_are_not_counted_as_disconnects(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    """Ten streams read to [DONE] on one keep-alive connection: no client left."""
+    gateway = gateway_for(stub.url)
+    with httpx.Client(timeout=30) as client:
+        for _ in range(10):
+            with client.stream(
+                "POST", gateway.url + "/v1/chat/completions", json={**BODY, "stream": True}
+            ) as response:
+                assert response.read().endswith(b"data: [DONE]\n\n")
+    time.sleep(0.2)  # the relays' watchers have had every chance to run
+    metrics = httpx.get(gateway.url + "/metrics").text
+    assert "vllm_guard_client_disconnects_total{" not in metrics
+    assert 'verdict="clean"} 10.0' in metrics

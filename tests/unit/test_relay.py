@@ -11,11 +11,15 @@ from gateway.relay import RelayResponse
 
 
 class Connection:
-    """uvicorn's side of one HTTP connection: ``receive`` waits for an event that
-    ``connection_lost`` sets, and ``send`` silently drops what comes after it."""
+    """uvicorn's side of one HTTP connection (uvicorn/protocols/http/httptools_impl.py,
+    RequestResponseCycle): ``receive`` waits for an event that ``connection_lost``
+    sets, and so does the last body frame (``response_complete``); from then on
+    ``receive`` answers ``http.disconnect`` although the client is still connected.
+    ``send`` silently drops what comes after a lost connection."""
 
     def __init__(self) -> None:
         self.lost = False
+        self.response_complete = False
         self.event = asyncio.Event()
         self.delivered: list[bytes] = []
 
@@ -24,12 +28,16 @@ class Connection:
         self.event.set()
 
     async def receive(self) -> Message:
-        await self.event.wait()
+        if not self.lost and not self.response_complete:
+            await self.event.wait()
         return {"type": "http.disconnect"}
 
     async def send(self, message: Message) -> None:
         if not self.lost and message["type"] == "http.response.body":
             self.delivered.append(message["body"])
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.response_complete = True
+            self.event.set()
 
 
 def relay_of(
@@ -82,3 +90,26 @@ def test_a_client_that_stays_is_not_reported_gone() -> None:
     events, delivered = asyncio.run(scenario())
     assert delivered == [b"data: 0\n\n", b"data: 1\n\n", b"data: 2\n\n", b""]
     assert events == ["closed"]
+
+
+def test_a_stream_read_to_the_end_is_not_a_disconnect() -> None:
+    """uvicorn says "disconnect" to every receive() once the response is complete; ten
+    complete streams must not count ten clients gone (they counted before)."""
+
+    async def scenario() -> list[str]:
+        all_events: list[str] = []
+        for _ in range(10):
+            connection = Connection()
+
+            async def slow() -> AsyncIterator[bytes]:
+                for n in range(3):
+                    await asyncio.sleep(0.001)
+                    yield f"data: {n}\n\n".encode()
+
+            relay, events = relay_of(connection, slow())
+            await relay({"type": "http"}, connection.receive, connection.send)
+            await asyncio.sleep(0.01)  # the watcher, had it not been cancelled, runs now
+            all_events += events
+        return all_events
+
+    assert asyncio.run(scenario()) == ["closed"] * 10
