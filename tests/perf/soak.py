@@ -128,7 +128,7 @@ def main() -> None:
                 soak(gateway.url, args.requests, args.concurrency, gateway.process.pid)
             )
             delivered_metric = gateway.metric_sum("vllm_guard_degenerate_delivered_total")
-            exhausted = gateway.metric_sum("vllm_guard_retry_budget_exhausted_total")
+            exhausted = gateway.metric_sum("vllm_guard_retries_refused_total")
             recovered = gateway.metric_sum("vllm_guard_requests_total", verdict="recovered")
         print(f"requests:            {args.requests} at concurrency {args.concurrency}")
         print(f"duration:            {result['duration_s']:.1f} s")
