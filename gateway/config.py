@@ -75,6 +75,9 @@ class UpstreamSettings(_Strict):
     health_interval_s: Annotated[float, Field(gt=0)] = 5.0
     #: How often each backend's own /metrics is scraped (prefix-cache hit ratio).
     metrics_scrape_interval_s: Annotated[float, Field(gt=0)] = 15.0
+    #: Largest single SSE event accepted from a backend (a longer one is a 502, or an
+    #: in-band error once the stream is released). vLLM's events are a few hundred bytes.
+    max_sse_event_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
 
     @model_validator(mode="after")
     def _unique_names(self) -> Self:

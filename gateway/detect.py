@@ -94,6 +94,11 @@ class Detector:
             else None
         )
         self._deny = [re.compile(p) for p in settings.deny_patterns]
+        self._candidate = re.compile(f"[{escaped}]") if escaped else None
+
+    def has_candidate(self, text: str) -> bool:
+        """Whether ``text`` holds a punctuation character punct_run counts."""
+        return self._candidate is not None and self._candidate.search(text) is not None
 
     # -- text detectors ---------------------------------------------------------
 
@@ -247,10 +252,14 @@ def trailing_run(text: str, candidates: frozenset[str]) -> int:
 
 
 def ends_in_loop(text: str, min_repeats: int, max_unit: int) -> bool:
+    n = len(text)
     for unit_len in range(1, max_unit + 1):
         span = unit_len * min_repeats
-        if span > len(text):
+        if span > n:
             break
+        # Cheap test first: the last two units are equal (most texts fail here).
+        if text[n - 2 * unit_len : n - unit_len] != text[n - unit_len :]:
+            continue
         unit = text[-unit_len:]
         if text.endswith(unit * min_repeats) and _loop_unit_counts(unit):
             return True
@@ -334,6 +343,14 @@ class PunctTracker:
     long_run_chars: set[str] = field(default_factory=set)
 
     def feed(self, text: str) -> None:
+        if not self.detector.has_candidate(text):
+            # No punctuation that could form a run: count the visible characters and
+            # end the current run, without looking at each character.
+            visible = len(text) - sum(map(str.isspace, text))
+            if visible:
+                self.visible += visible
+                self.run_char, self.run = "", 0
+            return
         candidates = self.detector.candidates
         min_run = self.detector.settings.punct_min_run
         for char in text:
@@ -411,7 +428,9 @@ class StreamInspector:
 
     def feed(self, chunk: Mapping[str, Any]) -> None:
         choices = chunk.get("choices")
-        if not isinstance(choices, list):
+        if type(choices) is not list:
+            return
+        if len(choices) == 1 and self._feed_plain(choices[0]):
             return
         for position, raw in enumerate(choices):
             if not isinstance(raw, dict):
@@ -425,6 +444,35 @@ class StreamInspector:
             finish = raw.get("finish_reason")
             if isinstance(finish, str):
                 state.finish_reason = finish
+
+    def _feed_plain(self, raw: object) -> bool:
+        """The common chunk (one choice, a delta with content only), fed with fewer
+        lookups; False (nothing fed) for anything else."""
+        if type(raw) is not dict:
+            return False
+        delta = raw.get("delta")
+        if (
+            type(delta) is not dict
+            or delta.get("tool_calls") is not None
+            or delta.get("reasoning_content") is not None
+            or delta.get("reasoning") is not None
+        ):
+            return False
+        index = raw.get("index", 0)
+        state = self.choices.get(index) if type(index) is int else None
+        if state is None:
+            return False
+        content = delta.get("content")
+        if type(content) is str and content:
+            tracker = state.content
+            before = tracker.visible
+            tracker.feed(content)
+            state.content_parts.append(content)
+            self.visible_chars += tracker.visible - before
+        finish = raw.get("finish_reason")
+        if type(finish) is str:
+            state.finish_reason = finish
+        return True
 
     def _feed_delta(self, state: _StreamChoice, delta: Mapping[str, Any]) -> None:
         self._feed_text(state.content, state.content_parts, _text(delta.get("content")))

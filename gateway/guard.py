@@ -51,7 +51,7 @@ from gateway.relay import RelayResponse
 from gateway.request import GuardedRequest, attempt_overrides, body_with
 from gateway.retry import SaltMemory, conversation_key
 from gateway.salt import fresh_salt
-from gateway.sse import DONE, SSEEvent, SSEParser
+from gateway.sse import DONE, EventTooLarge, SSEEvent, SSEParser
 from gateway.upstream import Backend, BackendPool, map_transport_errors, response_headers
 
 log = logging.getLogger(__name__)
@@ -121,28 +121,29 @@ class StreamState:
 
     def accept(self, event: SSEEvent) -> bytes | None:
         """Inspect one event; return the bytes to forward, or None to drop it."""
-        data = event.data
+        raw, data = event
         if data is None:
-            return event.raw  # comment or keep-alive
+            return raw  # comment or keep-alive
         if data == DONE:
             self.done = True
-            return event.raw
+            return raw
         try:
             payload = orjson.loads(data)
         except orjson.JSONDecodeError:
             raise UpstreamProtocolError("backend sent an SSE event that is not JSON") from None
-        if not isinstance(payload, dict):
+        if type(payload) is not dict:
             raise UpstreamProtocolError("backend sent an SSE event that is not a JSON object")
         if "error" in payload:
             self.upstream_error = True
-            return event.raw
-        usage = read_usage(payload)
-        if usage is not None:
-            self.usage = usage
-            if self.strip_usage and payload.get("choices") == []:
-                return None
+            return raw
+        if payload.get("usage") is not None:
+            usage = read_usage(payload)
+            if usage is not None:
+                self.usage = usage
+                if self.strip_usage and payload.get("choices") == []:
+                    return None
         self.inspector.feed(payload)
-        return event.raw
+        return raw
 
     def batches(self) -> AsyncIterator[list[bytes]]:
         """Forwardable event bytes, one list per network chunk; resumable after a break."""
@@ -151,9 +152,14 @@ class StreamState:
         return self._reader
 
     async def _read(self) -> AsyncIterator[list[bytes]]:
+        accept = self.accept
         with map_transport_errors(self.backend):
             async for chunk in self.response.content.iter_any():
-                yield [f for e in self.parser.feed(chunk) if (f := self.accept(e)) is not None]
+                try:
+                    events = self.parser.feed(chunk)
+                except EventTooLarge as exc:
+                    raise UpstreamProtocolError(f"backend stream: {exc}") from None
+                yield [f for e in events if (f := accept(e)) is not None]
                 if self.ended():
                     return
         tail = self.parser.close()
@@ -421,6 +427,7 @@ class Guard:
                     backend,
                     self.detector_for(request.model).stream_inspector(),
                     strip_usage=not request.client_wants_usage,
+                    parser=SSEParser(self.settings.upstream.max_sse_event_bytes),
                 )
                 await self._hold_back(attempt, trace)
         except BaseException:

@@ -238,3 +238,27 @@ def test_conversation_key_ignores_sliding_screenshots() -> None:
     assert conversation_key("chat", long_text, None, cfg) != conversation_key(
         "chat", longer_text, None, cfg
     )
+
+
+def test_a_huge_event_is_parsed_in_linear_time_and_bounded() -> None:
+    """16 MiB of one event in 64 KiB pieces (10 s of CPU when every piece was appended
+    to the buffer and the whole buffer searched again): the pieces are kept as they
+    came, each searched once for an event end, and joined once at the end."""
+    from gateway.sse import EventTooLarge
+
+    piece = b"x" * 65536
+    parser = SSEParser(max_event_bytes=32 * 1024 * 1024)
+    assert parser.feed(b"data: ") == []
+    for _ in range(256):
+        assert parser.feed(piece) == []
+    assert len(parser._pending) == 257  # never joined while the event is unfinished
+    assert parser.pending == 6 + 16 * 1024 * 1024
+    events = parser.feed(b"\n\n")
+    assert len(events) == 1
+    assert len(events[0].data or b"") == 16 * 1024 * 1024
+    assert parser.pending == 0
+    bounded = SSEParser(max_event_bytes=1024 * 1024)
+    for _ in range(16):
+        bounded.feed(piece)
+    with pytest.raises(EventTooLarge):
+        bounded.feed(piece)
