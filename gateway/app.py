@@ -12,7 +12,9 @@ import hmac
 import logging
 import os
 import re
+import sys
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from gateway import __version__
 from gateway.config import Settings, load_settings
 from gateway.errors import (
     BadRequest,
+    Forbidden,
     GatewayError,
     HeadersTooLarge,
     PayloadTooLarge,
@@ -130,6 +133,29 @@ GuardedHandler = Callable[[Request, str], Awaitable[Response]]
 _REPEATED_SLASHES = re.compile(r"/{2,}")
 
 
+#: vLLM's administrative and development endpoints (vLLM 0.32's routes, and older
+#: spellings): they pause, reset, profile, reload or reconfigure the server, or
+#: describe it. Closed unless listed in ``server.allow_vllm_paths``.
+VLLM_ADMIN_PATHS = frozenset(
+    {
+        "/abort_requests", "/inference/v1/abort_requests", "/collective_rpc",
+        "/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping",
+        "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache",
+        "/release_kv_cache_memory", "/start_profile", "/stop_profile",
+        "/scale_elastic_ep", "/is_scaling_elastic_ep", "/server_info", "/get_world_size",
+        "/kv_event_sources", "/update_weights", "/update_weight_version",
+        "/start_weight_update", "/start_draft_weight_update", "/finish_weight_update",
+        "/init_weight_transfer_engine", "/shutdown_weight_transfer_engine",
+        "/weight_checker", "/weight_info", "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+    }
+)  # fmt: skip
+#: Other ways into vLLM's chat and completions handlers: SageMaker's /invocations
+#: dispatches on the body to the same code, and the batch route runs it per item.
+#: The guard cannot inspect them, so they are refused unless allowed.
+UNGUARDED_SPELLINGS = frozenset({"/invocations", "/v1/chat/completions/batch"})
+
+
 def has_dot_segment(path: str) -> bool:
     """``.`` or ``..`` as a path segment (``path`` is already percent-decoded, so
     ``%2e%2e`` counts too). Such a path never reaches a backend: vLLM's router and
@@ -168,6 +194,9 @@ class GatewayApp(FastAPI):
     #: Paths answered by the gateway itself without a client key (GET and HEAD only).
     open_paths: frozenset[str] = frozenset({"/healthz", "/readyz"})
 
+    #: Paths refused whatever the method, with the error to answer.
+    closed_paths: dict[str, GatewayError] = {}  # noqa: RUF012 (set per app)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
@@ -181,6 +210,9 @@ class GatewayApp(FastAPI):
             await error_response(bad)(scope, receive, send)
             return
         path = route_path(scope["path"])
+        if path in self.closed_paths:
+            await error_response(self.closed_paths[path])(scope, receive, send)
+            return
         if (
             self.client_key_hashes
             and not (scope["method"] in ("GET", "HEAD") and path in self.open_paths)
@@ -196,7 +228,7 @@ class GatewayApp(FastAPI):
                 try:
                     response = await self.guarded_handler(request, endpoint)
                 except Exception:
-                    log.exception("unexpected error on %s", scope["path"])
+                    log_unexpected(scope["path"])
                     response = internal_error_response()
                 await response(scope, receive, send)
                 return
@@ -231,6 +263,18 @@ def client_identity(request: Request) -> str:
 
 def unauthorized_response() -> Response:
     return error_response(Unauthorized("missing or invalid API key"))
+
+
+def log_unexpected(path: str) -> None:
+    """One line per unexpected error, however deep its traceback: where it was raised
+    and what it says (truncated). A request that trips a bug repeatedly must not
+    turn every call into a 200 KB log entry. The traceback is at debug level."""
+    exc = sys.exc_info()[1]
+    frames = traceback.extract_tb(exc.__traceback__) if exc is not None else []
+    where = f" at {frames[-1].filename.rsplit('/', 1)[-1]}:{frames[-1].lineno}" if frames else ""
+    message = str(exc)[:200] if exc is not None else ""
+    log.error("unexpected error on %s: %s: %s%s", path[:200], type(exc).__name__, message, where)
+    log.debug("traceback of the unexpected error", exc_info=True)
 
 
 def internal_error_response() -> Response:
@@ -333,6 +377,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.guarded_handler = guarded
     app.client_key_hashes = tuple(settings.auth.api_key_sha256)
     app.max_header_bytes = settings.server.max_header_bytes
+    allowed = set(settings.server.allow_vllm_paths)
+    app.closed_paths = {
+        **{
+            path: Forbidden(
+                f"{path} is one of vLLM's administrative endpoints; the gateway does not "
+                "proxy it unless server.allow_vllm_paths lists it"
+            )
+            for path in VLLM_ADMIN_PATHS - allowed
+        },
+        **{
+            path: BadRequest(
+                f"{path} would reach vLLM's generation handlers without the guard; use "
+                "/v1/chat/completions or /v1/completions (or list it in "
+                "server.allow_vllm_paths to proxy it unguarded)"
+            )
+            for path in UNGUARDED_SPELLINGS - allowed
+        },
+    }
     if settings.metrics.enabled and settings.metrics.port is None:
         # Our own /metrics (it checks metrics.api_key_sha256 itself); otherwise a
         # keyless GET /metrics would reach vLLM's through the proxy.
@@ -348,11 +410,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await guarded(request, "completions")
 
-    @app.get("/healthz")
+    @app.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz() -> Response:
         return Response(b'{"status":"ok"}', media_type=JSON_MEDIA_TYPE)
 
-    @app.get("/readyz")
+    @app.api_route("/readyz", methods=["GET", "HEAD"])
     async def readyz(request: Request) -> Response:
         pool = runtime_of(request).pool
         states = {b.name: b.healthy for b in pool.backends}
@@ -368,7 +430,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     if settings.metrics.port is not None:
 
-        @app.get("/metrics", include_in_schema=False)
+        @app.api_route("/metrics", methods=["GET", "HEAD"], include_in_schema=False)
         async def metrics_elsewhere() -> Response:
             # Not proxied to vLLM either: metrics live on their own port.
             return Response(
@@ -380,7 +442,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     elif settings.metrics.enabled:
         metric_keys = tuple(settings.metrics.api_key_sha256)
 
-        @app.get("/metrics")
+        @app.api_route("/metrics", methods=["GET", "HEAD"])
         async def metrics_endpoint(request: Request) -> Response:
             if metric_keys and not key_allowed(request.scope, metric_keys):
                 return unauthorized_response()
@@ -440,7 +502,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected error on %s", request.url.path)
+        log_unexpected(request.url.path)
         return internal_error_response()
 
     return app

@@ -245,6 +245,11 @@ class ServerSettings(_Strict):
     #: Total size of a request's headers; larger gets 431.
     max_header_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024
     log_level: str = "info"
+    #: vLLM's administrative endpoints (/reset_prefix_cache, /sleep, /collective_rpc,
+    #: /v1/load_lora_adapter, ...) and unguarded ways into its generation handlers
+    #: (/invocations, /v1/chat/completions/batch) are refused; list here the ones the
+    #: gateway should proxy anyway (to whoever may call the gateway).
+    allow_vllm_paths: list[str] = Field(default_factory=list)
     #: On SIGTERM: stop accepting, let in-flight requests (streams) finish this long.
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 30.0
 

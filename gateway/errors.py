@@ -4,6 +4,7 @@
     ├── BadRequest                 400  invalid_request_error
     │   └── InvalidCacheSalt       400  (vLLM's own rule and message)
     ├── Unauthorized               401  authentication_error
+    ├── Forbidden                  403  permission_error (a closed vLLM admin path)
     ├── PayloadTooLarge            413  invalid_request_error
     ├── HeadersTooLarge            431  invalid_request_error
     ├── UpstreamError              502  upstream_error
@@ -50,6 +51,12 @@ class Unauthorized(GatewayError):
     status = 401
     type = "authentication_error"
     code = "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    type = "permission_error"
+    code = "forbidden"
 
 
 class PayloadTooLarge(GatewayError):

@@ -131,11 +131,14 @@ def body_with(request: GuardedRequest, overrides: dict[str, Any]) -> bytes:
     if request.spans is not None:
         return _splice(request.raw, request.spans, overrides)
     if any(key in request.body for key in overrides):
-        merged = {**request.body, **overrides}
-        try:
-            return orjson.dumps(merged)
-        except TypeError:  # integers beyond 64 bits: orjson refuses, json does not
-            return json.dumps(merged, ensure_ascii=False).encode("utf-8")
+        # Replace the values in the client's bytes: re-serialising the decoded body
+        # would change what the client sent (an integer beyond 64 bits decodes to a
+        # float, key order and spacing change).
+        spans = top_level_spans(request.raw)
+        if spans is not None:
+            return _splice(request.raw, spans, overrides)
+        merged = {**request.body, **overrides}  # the scan gave up: decoded, as a last resort
+        return json.dumps(merged, ensure_ascii=False).encode("utf-8")
     raw = request.raw
     brace = raw.index(b"{")
     extra = orjson.dumps(overrides)[1:-1]

@@ -40,22 +40,28 @@ def conversation_key(
 _LONG_STRING = 4096
 
 
-def _bounded(value: object) -> object:
+_MAX_DEPTH = 32
+
+
+def _bounded(value: object, depth: int = 0) -> object:
     """A small stand-in for the leading messages: their text only.
 
     Content parts that are not text (screenshots, audio) are left out: agents
     keep a sliding window of images, so the first messages lose theirs as the
     conversation goes on, and a fingerprint that included them would change every
     turn. Long strings become their length, head and tail, so fingerprinting a
-    3 MB request hashes kilobytes."""
+    3 MB request hashes kilobytes. Nesting deeper than any real message is cut
+    off (a 1,000-deep list is vLLM's to refuse, not a reason to recurse)."""
     if isinstance(value, str):
         if len(value) > _LONG_STRING:
             return ["\x00long", len(value), value[:1024], value[-1024:]]
         return value
+    if depth >= _MAX_DEPTH and isinstance(value, list | dict):
+        return "\x00deep"
     if isinstance(value, list):
-        return [_bounded(item) for item in value if not _is_media_part(item)]
+        return [_bounded(item, depth + 1) for item in value if not _is_media_part(item)]
     if isinstance(value, dict):
-        return {key: _bounded(item) for key, item in value.items()}
+        return {key: _bounded(item, depth + 1) for key, item in value.items()}
     return value
 
 

@@ -46,6 +46,15 @@ def test_garbage_sse_before_release_is_a_502(
     assert orjson.loads(response.read())["error"]["code"] == "upstream_protocol_error"
 
 
+def test_an_sse_event_over_the_limit_is_a_502(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    gateway = gateway_for(stub.url, upstream={"max_sse_event_bytes": 16384})
+    response, _ = stream_events(gateway.url, "big-event")
+    assert response.status_code == 502
+    assert "larger than 16384 bytes" in orjson.loads(response.read())["error"]["message"]
+
+
 def test_garbage_sse_after_release_ends_with_inband_error(
     stub: StubBackend, gateway_for: GatewayFactory
 ) -> None:

@@ -54,6 +54,10 @@ def build_app(state: StubState) -> Starlette:
             if scenario == "sse-garbage":
                 yield b"data: {this is not json\n\n"
                 return
+            if scenario == "big-event":  # one 64 KiB event, sent in 1 KiB pieces
+                event = chunk("x" * 65536)
+                for start in range(0, len(event), 1024):
+                    yield event[start : start + 1024]
             for word in CLEAN_WORDS:
                 yield chunk(word)
                 await asyncio.sleep(0.005)

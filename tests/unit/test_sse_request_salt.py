@@ -262,3 +262,22 @@ def test_a_huge_event_is_parsed_in_linear_time_and_bounded() -> None:
         bounded.feed(piece)
     with pytest.raises(EventTooLarge):
         bounded.feed(piece)
+
+
+def test_replacing_a_field_keeps_every_other_byte_the_client_sent() -> None:
+    """A seed beyond 64 bits reached vLLM as 1.844674407370955e19 when the decoded
+    body was re-serialised to replace the client's salt."""
+    raw = (
+        b'{"model": "m", "seed": 18446744073709551617, "stream": true, '
+        b'"stream_options": {"continuous_usage_stats": false}, "cache_salt": "tenant", '
+        b'"messages": [{"role": "user", "content": "hi"}], "x": 1.50}'
+    )
+    request = parse_guarded("chat", raw)
+    out = body_with(request, attempt_overrides(request, "vg.retry"))
+    assert b'"seed": 18446744073709551617' in out
+    assert b'"x": 1.50}' in out
+    assert orjson.loads(out)["cache_salt"] == "vg.retry"
+    assert orjson.loads(out)["stream_options"] == {
+        "continuous_usage_stats": False,
+        "include_usage": True,
+    }

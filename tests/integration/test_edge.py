@@ -1,0 +1,92 @@
+"""The edge: which paths and methods get through, with and without a key.
+
+A scripted backend records every request that reaches it, so "refused" means it
+never saw the request. Raw sockets where a client library would normalise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import GatewayFactory
+from support.stub_backend import StubBackend
+
+from gateway.app import UNGUARDED_SPELLINGS, VLLM_ADMIN_PATHS, hash_key
+
+
+@pytest.fixture
+def stub() -> Iterator[StubBackend]:
+    with StubBackend() as backend:
+        yield backend
+
+
+KEY = "client-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.mark.parametrize("path", sorted(VLLM_ADMIN_PATHS))
+def test_vllm_admin_endpoints_are_closed_by_default(
+    stub: StubBackend, gateway_for: GatewayFactory, path: str
+) -> None:
+    gateway = gateway_for(stub.url)
+    for method in ("GET", "POST"):
+        response = httpx.request(method, gateway.url + path, content=b"{}")
+        assert response.status_code == 403
+        assert response.json()["error"]["type"] == "permission_error"
+        # ...whatever the spelling
+        response = httpx.request(method, gateway.url + "/" + path + "/", content=b"{}")
+        assert response.status_code == 403
+    assert stub.state.paths == []
+
+
+def test_an_allowlisted_admin_endpoint_is_proxied(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    gateway = gateway_for(stub.url, server={"allow_vllm_paths": ["/reset_prefix_cache"]})
+    assert httpx.post(gateway.url + "/reset_prefix_cache").status_code == 200
+    assert httpx.post(gateway.url + "/sleep").status_code == 403
+    assert stub.state.paths == ["/reset_prefix_cache"]
+
+
+@pytest.mark.parametrize("path", sorted(UNGUARDED_SPELLINGS))
+def test_unguarded_ways_into_the_generation_handlers_are_refused(
+    stub: StubBackend, gateway_for: GatewayFactory, path: str
+) -> None:
+    gateway = gateway_for(stub.url)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    response = httpx.post(gateway.url + path, json=body)
+    assert response.status_code == 400
+    assert "/v1/chat/completions" in response.json()["error"]["message"]
+    assert stub.state.paths == []
+    assert stub.state.requests == []
+
+
+def test_auth_exemptions_hold_for_reads_of_the_gateways_own_endpoints_only(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    """POST or DELETE on /healthz, /readyz, /metrics without a key fell through to the
+    catch-all proxy; now only GET and HEAD are open, and only where the gateway
+    answers itself."""
+    gateway = gateway_for(stub.url, auth={"api_key_sha256": [hash_key(KEY)]})
+    for path in ("/healthz", "/readyz", "/metrics"):
+        assert httpx.get(gateway.url + path).status_code == 200
+        assert httpx.head(gateway.url + path).status_code == 200
+        for method in ("POST", "DELETE", "PUT", "PATCH"):
+            response = httpx.request(method, gateway.url + path, content=b"x")
+            assert response.status_code == 401, (method, path)
+            assert response.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(gateway.url + "/v1/models").status_code == 401
+    assert stub.state.paths == []
+
+
+def test_with_metrics_off_metrics_is_an_ordinary_proxied_path_behind_the_key(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    """With metrics.enabled false, a keyless GET /metrics returned vLLM's metrics."""
+    gateway = gateway_for(
+        stub.url, auth={"api_key_sha256": [hash_key(KEY)]}, metrics={"enabled": False}
+    )
+    assert httpx.get(gateway.url + "/metrics").status_code == 401
+    assert httpx.get(gateway.url + "/metrics", headers=AUTH).status_code == 200
