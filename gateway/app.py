@@ -486,7 +486,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except ClientDisconnect:
             return Response(status_code=499)
         out_headers = response_headers(upstream, keep_encoding=True)
-        out_headers.setdefault("x-request-id", request_id)
+        if not any(name == b"x-request-id" for name, _ in out_headers):
+            out_headers.append((b"x-request-id", request_id.encode("latin-1")))
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -498,7 +499,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             finally:
                 upstream.close()
 
-        return StreamingResponse(relay(), status_code=upstream.status, headers=out_headers)
+        response = StreamingResponse(relay(), status_code=upstream.status)
+        response.raw_headers.extend(out_headers)  # raw pairs: repeated headers survive
+        return response
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:

@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from multidict import CIMultiDict
 from starlette.responses import Response
 
 from gateway.budget import Refusal, RetryBudget, RetryTicket
@@ -52,12 +53,20 @@ from gateway.request import GuardedRequest, attempt_overrides, body_with
 from gateway.retry import SaltMemory, conversation_key
 from gateway.salt import fresh_salt
 from gateway.sse import DONE, EventTooLarge, SSEEvent, SSEParser
-from gateway.upstream import Backend, BackendPool, map_transport_errors, response_headers
+from gateway.upstream import (
+    Backend,
+    BackendPool,
+    RawHeaders,
+    map_transport_errors,
+    response_headers,
+)
 
 log = logging.getLogger(__name__)
 
 ATTEMPTS_HEADER = "x-vllm-guard-attempts"
 VERDICT_HEADER = "x-vllm-guard-verdict"
+ATTEMPTS_HEADER_RAW = ATTEMPTS_HEADER.encode()
+VERDICT_HEADER_RAW = VERDICT_HEADER.encode()
 SSE_MEDIA_TYPE = "text/event-stream"
 #: Most bytes of one stream held back before the guard decides on what it has.
 MAX_HELD_BYTES = 1024 * 1024
@@ -174,7 +183,7 @@ class Attempt:
     backend: Backend
     salt: str | None
     status: int
-    headers: dict[str, str]
+    headers: RawHeaders
     verdict: Verdict = CLEAN
     body: bytes = b""
     usage: Usage | None = None
@@ -260,7 +269,7 @@ class Guard:
     async def handle(
         self,
         request: GuardedRequest,
-        headers: dict[str, str],
+        headers: CIMultiDict[str],
         started: float,
         client: str = "",
     ) -> Response:
@@ -401,14 +410,15 @@ class Guard:
         request: GuardedRequest,
         backend: Backend,
         salt: str | None,
-        headers: dict[str, str],
+        headers: CIMultiDict[str],
         trace: Trace,
     ) -> Attempt:
         body = body_with(request, attempt_overrides(request, salt))
         if trace.attempts > 1:
             # A distinct upstream id per attempt: vLLM may still be aborting the
             # previous one, and its logs then tell the attempts apart.
-            headers = {**headers, "x-request-id": f"{headers['x-request-id']}-a{trace.attempts}"}
+            headers = headers.copy()
+            headers["x-request-id"] = f"{headers['x-request-id']}-a{trace.attempts}"
         opened = time.perf_counter()
         response = await backend.open("POST", request.path, headers=headers, body=body)
         attempt = Attempt(
@@ -487,11 +497,12 @@ class Guard:
 
     # -- releasing to the client ----------------------------------------------------
 
-    def _headers(self, attempt: Attempt, trace: Trace, verdict: str) -> dict[str, str]:
-        headers = attempt.headers
-        headers[ATTEMPTS_HEADER] = str(trace.attempts)
-        headers[VERDICT_HEADER] = verdict
-        return headers
+    def _headers(self, attempt: Attempt, trace: Trace, verdict: str) -> RawHeaders:
+        return [
+            *attempt.headers,
+            (ATTEMPTS_HEADER_RAW, str(trace.attempts).encode()),
+            (VERDICT_HEADER_RAW, verdict.encode()),
+        ]
 
     def _request_verdict(self, attempt: Attempt, trace: Trace) -> str:
         if attempt.status != 200:
@@ -508,7 +519,9 @@ class Guard:
         headers = self._headers(attempt, trace, verdict)
         if attempt.stream is None:
             self._finish(trace, attempt.backend, verdict)
-            return Response(attempt.body, status_code=attempt.status, headers=headers)
+            response = Response(attempt.body, status_code=attempt.status)
+            response.raw_headers.extend(headers)
+            return response
         now = time.perf_counter()
         self.metrics.ttft.labels(trace.model, attempt.backend.name).observe(now - trace.started)
         self.metrics.overhead.labels(trace.request.endpoint, "true").observe(
@@ -517,7 +530,7 @@ class Guard:
         return RelayResponse(
             self._relay(attempt, trace, verdict),
             status_code=200,
-            headers=headers,
+            raw_headers=headers,
             media_type=SSE_MEDIA_TYPE,
             on_close=attempt.stream.response.close,
             on_client_gone=lambda: self._client_left_mid_stream(trace),

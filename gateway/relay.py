@@ -10,7 +10,7 @@ one watcher task: when the client goes away it cancels the relay, whose
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -22,7 +22,7 @@ class RelayResponse(Response):
         chunks: AsyncIterator[bytes],
         *,
         status_code: int = 200,
-        headers: Mapping[str, str] | None = None,
+        raw_headers: Sequence[tuple[bytes, bytes]] = (),
         media_type: str | None = None,
         on_close: Callable[[], None] | None = None,
         on_client_gone: Callable[[], None] | None = None,
@@ -36,7 +36,10 @@ class RelayResponse(Response):
         self.status_code = status_code
         self.media_type = media_type
         self.background = None
-        self.init_headers(headers)
+        # Raw pairs, so repeated headers (Set-Cookie, Vary) survive.
+        self.raw_headers = list(raw_headers)
+        if media_type is not None and not any(k == b"content-type" for k, _ in raw_headers):
+            self.raw_headers.append((b"content-type", media_type.encode("latin-1")))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         current = asyncio.current_task()

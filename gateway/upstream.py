@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from multidict import CIMultiDict
 
 from gateway.config import BackendRole, BackendSettings, RetryTarget, UpstreamSettings
 from gateway.errors import (
@@ -95,14 +96,14 @@ class Backend:
         with map_transport_errors(self):
             try:
                 return await self.session.request(
-                    method, url, headers=dict(headers), data=body, allow_redirects=False
+                    method, url, headers=headers, data=body, allow_redirects=False
                 )
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if not isinstance(body, bytes | None):
                     raise  # a streamed body cannot be replayed
                 log.info("backend %s closed a connection (%r); resending once", self.name, exc)
                 return await self.fresh_session.request(
-                    method, url, headers=dict(headers), data=body, allow_redirects=False
+                    method, url, headers=headers, data=body, allow_redirects=False
                 )
 
     async def probe_health(self, timeout_s: float) -> bool:
@@ -250,33 +251,54 @@ class BackendPool:
         await self.fresh_session.close()
 
 
+#: Raw header pairs in order, repeats kept (ASGI's form of response headers).
+RawHeaders = list[tuple[bytes, bytes]]
+
+
+def connection_tokens(values: Iterable[str]) -> frozenset[str]:
+    """Header names listed in Connection: hop-by-hop for this connection only
+    (RFC 9110, 7.6.1), so a proxy must not forward them."""
+    return frozenset(
+        token.strip().lower() for value in values for token in value.split(",") if token.strip()
+    )
+
+
 def forward_headers(
     incoming: Iterable[tuple[str, str]],
     *,
     request_id: str,
     api_key: str | None,
     drop: frozenset[str] = frozenset(),
-) -> dict[str, str]:
-    """Client request headers as the backend should see them."""
-    out: dict[str, str] = {}
-    for name, value in incoming:
+) -> CIMultiDict[str]:
+    """Client request headers as the backend should see them; repeats kept in order."""
+    pairs = list(incoming)
+    named = connection_tokens(v for k, v in pairs if k.lower() == "connection")
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in pairs:
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in drop:
+        if lower in HOP_BY_HOP or lower in drop or lower in named:
             continue
-        out[lower] = value
+        out.add(lower, value)
     out["x-request-id"] = request_id
     if api_key is not None:
         out["authorization"] = f"Bearer {api_key}"
     return out
 
 
-def response_headers(upstream: aiohttp.ClientResponse, *, keep_encoding: bool) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for name, value in upstream.headers.items():
-        lower = name.lower()
-        if lower in HOP_BY_HOP or (not keep_encoding and lower == "content-encoding"):
+_DROPPED_RESPONSE_HEADERS = HOP_BY_HOP | {"date", "server"}
+
+
+def response_headers(upstream: aiohttp.ClientResponse, *, keep_encoding: bool) -> RawHeaders:
+    """The backend's response headers for the client: repeats (Set-Cookie, Vary) kept,
+    hop-by-hop ones and those named in Connection dropped; our server adds its own
+    Date and Server."""
+    named = connection_tokens(upstream.headers.getall("connection", ()))
+    out: RawHeaders = []
+    for name, value in upstream.raw_headers:
+        lower = name.decode("latin-1").lower()
+        if lower in _DROPPED_RESPONSE_HEADERS or lower in named:
             continue
-        if lower in ("date", "server"):
+        if not keep_encoding and lower == "content-encoding":
             continue
-        out[lower] = value
+        out.append((lower.encode("latin-1"), value))
     return out

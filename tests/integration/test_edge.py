@@ -90,3 +90,45 @@ def test_with_metrics_off_metrics_is_an_ordinary_proxied_path_behind_the_key(
     )
     assert httpx.get(gateway.url + "/metrics").status_code == 401
     assert httpx.get(gateway.url + "/metrics", headers=AUTH).status_code == 200
+
+
+def raw_request(url: str, head: bytes, body: bytes = b"") -> bytes:
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/other"])
+def test_repeated_headers_survive_and_connection_named_ones_do_not(
+    stub: StubBackend, gateway_for: GatewayFactory, path: str
+) -> None:
+    """Repeated response headers collapsed to the last one (two Set-Cookie -> one,
+    Vary lost), as did repeated request headers; headers named in Connection went
+    through in both directions."""
+    gateway = gateway_for(stub.url)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        "X-Stub-Scenario: repeated-headers\r\n"
+        "Accept-Language: en\r\nAccept-Language: fr\r\n"
+        "Connection: close, x-client-hop\r\nX-Client-Hop: secret\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    response = raw_request(gateway.url, head, body)
+    status_line, _, rest = response.partition(b"\r\n")
+    assert b" 200 " in status_line
+    headers = [tuple(line.split(b": ", 1)) for line in rest.split(b"\r\n\r\n", 1)[0].split(b"\r\n")]
+    names = [name.lower() for name, _ in headers]
+    assert (b"set-cookie", b"a=1; Path=/") in headers
+    assert (b"set-cookie", b"b=2; Path=/") in headers
+    assert names.count(b"vary") == 2
+    assert b"x-backend-internal" not in names
+    sent = stub.state.raw_headers[-1]
+    assert [v for k, v in sent if k == "accept-language"] == ["en", "fr"]
+    assert "x-client-hop" not in [k for k, _ in sent]

@@ -36,10 +36,24 @@ SCRAPED_PATHS = frozenset({"/metrics", "/version", "/v1/models"})
 CLEAN_WORDS = ["The ", "button ", "is ", "at ", "the ", "top ", "right ", "of ", "the ", "page. "]
 
 
+def add_repeated_headers(response: Response) -> None:
+    """Two Set-Cookie, two Vary, and a header the backend marks hop-by-hop."""
+    response.raw_headers += [
+        (b"set-cookie", b"a=1; Path=/"),
+        (b"set-cookie", b"b=2; Path=/"),
+        (b"vary", b"Accept-Encoding"),
+        (b"vary", b"Authorization"),
+        (b"connection", b"x-backend-internal"),
+        (b"x-backend-internal", b"do-not-forward"),
+    ]
+
+
 class StubState:
     def __init__(self) -> None:
         self.requests: list[dict[str, object]] = []
         self.headers: list[dict[str, str]] = []
+        #: Every request's header pairs as received, repeats included.
+        self.raw_headers: list[list[tuple[str, str]]] = []
         self.paths: list[str] = []
         self.open_streams = 0
         #: When set, every completion request plays this scenario (the header aside).
@@ -80,6 +94,7 @@ def build_app(state: StubState) -> Starlette:
         body = orjson.loads(await request.body())
         state.requests.append(body)
         state.headers.append({":path": request.url.path, **request.headers})
+        state.raw_headers.append(request.headers.items())
         scenario = state.forced_scenario or request.headers.get("x-stub-scenario", "clean")
         if scenario == "503":
             return JSONResponse(
@@ -107,6 +122,8 @@ def build_app(state: StubState) -> Starlette:
         )  # fmt: skip
         if scenario == "set-cookie":  # e.g. a sticky-session load balancer in front of vLLM
             answer.set_cookie("lb-session", "tenant-a-affinity")
+        if scenario == "repeated-headers":
+            add_repeated_headers(answer)
         return answer
 
     async def health(request: Request) -> Response:
@@ -117,7 +134,11 @@ def build_app(state: StubState) -> Starlette:
             return Response(b"{}", media_type="application/json")
         state.paths.append(request.url.path)
         state.headers.append({":path": request.url.path, **request.headers})
-        return JSONResponse({"path": request.url.path, "host": request.headers.get("host")})
+        state.raw_headers.append(request.headers.items())
+        answer = JSONResponse({"path": request.url.path, "host": request.headers.get("host")})
+        if request.headers.get("x-stub-scenario") == "repeated-headers":
+            add_repeated_headers(answer)
+        return answer
 
     return Starlette(
         routes=[
