@@ -86,6 +86,8 @@ def serve(args: argparse.Namespace) -> int:
         )
     os.environ[RESOLVED_SETTINGS_ENV] = settings.model_dump_json()
     server = settings.server
+    from gateway.protocol import EdgeHttpToolsProtocol, connection_limit
+
     uvicorn.run(
         "gateway.app:create_app",
         factory=True,
@@ -94,7 +96,8 @@ def serve(args: argparse.Namespace) -> int:
         workers=server.workers,
         log_level=server.log_level,
         loop="uvloop",
-        http="httptools",
+        http=EdgeHttpToolsProtocol,
+        limit_concurrency=connection_limit(server.max_connections),
         access_log=False,
         timeout_graceful_shutdown=int(server.shutdown_grace_s) or None,
         proxy_headers=False,

@@ -242,8 +242,16 @@ class ServerSettings(_Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
     workers: Annotated[int, Field(ge=1, le=64)] = 1
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
-    #: Total size of a request's headers; larger gets 431.
+    #: Total size of a request's headers, enforced while they arrive; larger gets 431.
     max_header_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024
+    #: A connection must finish sending a request head this long after it opened (or
+    #: after its last response); else it is closed (408 if it had started one).
+    header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    #: ...and a request body this long after its head; else it is closed.
+    body_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    #: Open client connections per worker; past it, new requests get a 503 in OpenAI's
+    #: shape. null: half the open-file limit (the rest is for upstream connections).
+    max_connections: Annotated[int, Field(ge=1)] | None = None
     log_level: str = "info"
     #: vLLM's administrative endpoints (/reset_prefix_cache, /sleep, /collective_rpc,
     #: /v1/load_lora_adapter, ...) and unguarded ways into its generation handlers

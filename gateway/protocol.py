@@ -1,0 +1,183 @@
+"""uvicorn's HTTP protocol with the limits an internet-facing proxy needs.
+
+uvicorn (with httptools) has no bound on a request head while it is being read,
+and no timeout for reading one or a body: three connections sending header lines
+that never end took the gateway from 69 to 517 MiB, and hundreds of silent or
+half-sent connections stayed open indefinitely. ``EdgeHttpToolsProtocol``:
+
+* counts the bytes of a request head *as they arrive* and answers 431 once they
+  pass ``server.max_header_bytes`` (the parser holds at most one read more);
+* closes a connection that has not finished sending a request head within
+  ``server.header_timeout_s`` (from the connection, or from the last response:
+  silent and half-sent connections alike), answering 408 if it had started one;
+* closes a connection whose body has not arrived within ``server.body_timeout_s``
+  of its head (the app sees the client leave);
+* answers uvicorn's "too many connections" 503 (``server.max_connections``) in
+  OpenAI's error shape instead of plain text.
+
+``vllm-guard serve`` selects it (``http=EdgeHttpToolsProtocol``); each worker
+reads the limits from the settings the CLI resolved into its environment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http import httptools_impl
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.errors import error_body
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    max_header_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+
+
+@functools.cache
+def edge_limits() -> EdgeLimits:
+    """This process's limits, from the settings ``vllm-guard serve`` resolved."""
+    from gateway.app import settings_from_environment
+
+    server = settings_from_environment().server
+    return EdgeLimits(server.max_header_bytes, server.header_timeout_s, server.body_timeout_s)
+
+
+def connection_limit(configured: int | None) -> int:
+    """Client connections per worker: as configured, or half the open-file limit
+    (each client request may hold an upstream connection, and logs and metrics
+    files need descriptors too)."""
+    if configured is not None:
+        return configured
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, soft // 2) if soft != resource.RLIM_INFINITY else 4096
+
+
+def _raw_error(status: int, reason: str, message: str, type_: str, code: str) -> bytes:
+    body = error_body(message, type_, code=code)
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode("latin-1") + body
+
+
+async def service_unavailable(scope: Any, receive: Any, send: Any) -> None:
+    """uvicorn's answer when ``limit_concurrency`` is reached, in OpenAI's shape."""
+    body = error_body(
+        "the gateway is at its connection limit; retry shortly",
+        "service_unavailable",
+        code="too_many_connections",
+    )
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 503,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+                (b"retry-after", b"1"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+# uvicorn looks this up in its module on every over-limit request.
+httptools_impl.service_unavailable = service_unavailable  # type: ignore[attr-defined]
+
+
+class EdgeHttpToolsProtocol(HttpToolsProtocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limits = edge_limits()
+        self._head_bytes = 0
+        self._reading_head = True
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- timers ------------------------------------------------------------------------
+
+    def _arm(self, delay: float, phase: str) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(delay, self._timed_out, phase)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _timed_out(self, phase: str) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        if phase == "head" and self._head_bytes:
+            self.transport.write(
+                _raw_error(
+                    408,
+                    "Request Timeout",
+                    f"the request head did not arrive within {self.limits.header_timeout_s:g} s",
+                    "invalid_request_error",
+                    "request_timeout",
+                )
+            )
+        # A silent connection is closed without a word; a slow body's request is
+        # already with the app, which sees the client leave.
+        self.transport.close()
+
+    # -- protocol events -----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(self.limits.header_timeout_s, "head")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        reading_head = self._reading_head
+        super().data_received(data)
+        if reading_head and self._reading_head and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > self.limits.max_header_bytes:
+                self._disarm()
+                self.transport.write(
+                    _raw_error(
+                        431,
+                        "Request Header Fields Too Large",
+                        f"request headers exceed {self.limits.max_header_bytes} bytes",
+                        "invalid_request_error",
+                        "headers_too_large",
+                    )
+                )
+                self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        # A pipelined request's head is bounded and timed like any other.
+        self._reading_head = True
+        if self._timer is None:
+            self._arm(self.limits.header_timeout_s, "head")
+
+    def on_headers_complete(self) -> None:
+        self._reading_head = False
+        self._head_bytes = 0
+        self._arm(self.limits.body_timeout_s, "body")
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._reading_head = True
+            self._arm(self.limits.header_timeout_s, "head")
