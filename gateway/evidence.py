@@ -44,7 +44,11 @@ class EvidenceRecord:
 
 def prompt_fingerprint(body: dict[str, Any]) -> str:
     lead = body.get("messages", body.get("prompt"))
-    return hashlib.sha256(orjson.dumps(lead, option=orjson.OPT_SORT_KEYS)).hexdigest()[:32]
+    try:
+        encoded = orjson.dumps(lead, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # nested past orjson's limit: not a prompt worth telling apart
+        encoded = b"\x00unencodable"
+    return hashlib.sha256(encoded).hexdigest()[:32]
 
 
 class EvidenceStore:
@@ -62,7 +66,11 @@ class EvidenceStore:
         }
         if self.settings.include_prompt:
             data["prompt"] = record.prompt
-        line = orjson.dumps(data) + b"\n"
+        try:
+            line = orjson.dumps(data) + b"\n"
+        except TypeError:  # a prompt nested past orjson's limit: keep the rest
+            data["prompt"] = "(not stored: nested too deeply to encode)"
+            line = orjson.dumps(data) + b"\n"
         self._rotate_if_needed(len(line))
         with self.path.open("ab") as handle:
             handle.write(line)

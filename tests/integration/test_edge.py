@@ -132,3 +132,31 @@ def test_repeated_headers_survive_and_connection_named_ones_do_not(
     sent = stub.state.raw_headers[-1]
     assert [v for k, v in sent if k == "accept-language"] == ["en", "fr"]
     assert "x-client-hop" not in [k for k, _ in sent]
+
+
+def test_the_evidence_store_takes_bad_input_without_failing_the_request(
+    stub: StubBackend, gateway_for: GatewayFactory, tmp_path: object
+) -> None:
+    """A degenerate answer to a prompt nested 300 deep (past what orjson encodes):
+    the client gets its answer and the evidence line is written without the prompt."""
+    import json
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "evidence.jsonl"
+    gateway = gateway_for(
+        stub.url,
+        evidence={"enabled": True, "path": str(path), "include_prompt": True},
+        guard={"max_attempts": 1},
+    )
+    deep = "[" * 300 + "]" * 300
+    body = ('{"model": "m", "messages": [{"role": "user", "content": ' + deep + "}]}").encode()
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=body,
+        headers={"x-stub-scenario": "bang", "content-type": "application/json"},
+    )
+    assert response.status_code == 200
+    assert response.headers["x-vllm-guard-verdict"] == "degenerate"
+    record = json.loads(path.read_text().splitlines()[0])
+    assert record["kind"] == "punct_run"
+    assert record["prompt"].startswith("(not stored")

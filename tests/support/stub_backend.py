@@ -112,6 +112,13 @@ def build_app(state: StubState) -> Starlette:
             return Response(b"", media_type="application/json")
         if body.get("stream"):
             return StreamingResponse(scenario_stream(scenario), media_type="text/event-stream")
+        if scenario == "bang":  # what a poisoned prefix-cache hit answers
+            return JSONResponse(
+                {"id": "cmpl-stub", "object": "chat.completion", "model": "stub",
+                 "choices": [{"index": 0, "finish_reason": "length",
+                              "message": {"role": "assistant", "content": "!" * 16}}],
+                 "usage": {"prompt_tokens": 5, "completion_tokens": 16, "total_tokens": 21}}
+            )  # fmt: skip
         answer = JSONResponse(
             {
                 "id": "cmpl-stub", "object": "chat.completion", "model": "stub",
