@@ -160,3 +160,32 @@ def test_the_evidence_store_takes_bad_input_without_failing_the_request(
     record = json.loads(path.read_text().splitlines()[0])
     assert record["kind"] == "punct_run"
     assert record["prompt"].startswith("(not stored")
+
+
+def test_an_unexpected_error_is_one_log_line_and_an_openai_500(
+    stub: StubBackend, gateway_for: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 500-deep request once produced a 222 KB traceback per 1 KB request."""
+    gateway = gateway_for(stub.url)
+
+    async def explode(*args: object, **kwargs: object) -> object:
+        def down(n: int) -> int:
+            return down(n + 1)
+
+        return down(0)
+
+    gateway.runtime.guard.handle = explode
+    with caplog.at_level("INFO", logger="vllm_guard"):
+        response = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        )
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "internal_error"
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1
+    message = errors[0].getMessage()
+    assert "RecursionError" in message
+    assert "\n" not in message
+    assert errors[0].exc_info is None
+    assert len(message) < 1000

@@ -424,3 +424,21 @@ def test_disconnect_storm_leaks_nothing(vllm: RunningVLLM, gateway_for: GatewayF
     (ARTIFACTS / "storm.txt").write_text(
         f"aborted {len(aborted)} of 100; generated {generated} of {100 * max_tokens}\n"
     )
+
+
+@pytest.mark.vllm
+def test_deeply_nested_content_is_a_400_not_a_500(
+    vllm: RunningVLLM, gateway: GatewayServer
+) -> None:
+    """~1 KB of request nested 500 deep in messages: a clean 400 (vLLM's own
+    validation, relayed), where the gateway once answered 500 with a 222 KB traceback."""
+    deep = "[" * 500 + "]" * 500
+    body = f'{{"model": "{vllm.model}", "messages": [{{"role": "user", "content": {deep}}}]}}'
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=body.encode(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["message"]
