@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import aiohttp
+import orjson
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway import __version__
+from gateway import __version__, logs
 from gateway.config import Settings, load_settings
 from gateway.errors import (
     BadRequest,
@@ -225,12 +226,21 @@ class GatewayApp(FastAPI):
             if endpoint is not None:
                 scope["app"] = self
                 request = Request(scope, receive, send)
+                in_flight = (
+                    self.runtime.metrics.in_flight.labels(endpoint) if self.runtime else None
+                )
+                if in_flight is not None:
+                    in_flight.inc()
                 try:
-                    response = await self.guarded_handler(request, endpoint)
-                except Exception:
-                    log_unexpected(scope["path"])
-                    response = internal_error_response()
-                await response(scope, receive, send)
+                    try:
+                        response = await self.guarded_handler(request, endpoint)
+                    except Exception:
+                        log_unexpected(scope["path"])
+                        response = internal_error_response()
+                    await response(scope, receive, send)
+                finally:
+                    if in_flight is not None:
+                        in_flight.dec()
                 return
         await super().__call__(scope, receive, send)
 
@@ -306,6 +316,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pool = BackendPool(settings.upstream)
         metrics = Metrics(CollectorRegistry(), models=settings.models, backends=pool.names)
+        guard_settings = settings.guard
+        metrics.config_info.labels(
+            guard_settings.mode,
+            guard_settings.on_exhausted,
+            guard_settings.stream.after_release,
+            guard_settings.retry_target,
+        ).set(1)
         scraper = BackendScraper(pool, metrics, settings.upstream)
         evidence = (
             EvidenceStore(settings.evidence, per_process=settings.server.workers > 1)
@@ -352,6 +369,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         started = time.perf_counter()
         runtime = runtime_of(request)
         request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
+        logs.request_id.set(request_id)
         try:
             raw = await read_body(request, settings.server.max_body_bytes)
             parsed = parse_guarded(endpoint, raw, lead_messages)
@@ -416,17 +434,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.api_route("/readyz", methods=["GET", "HEAD"])
     async def readyz(request: Request) -> Response:
+        """Ready once started, whatever the backends say. Readiness that followed the
+        backends took every gateway pod out of its Service when vLLM was down, so
+        clients got connection errors instead of the gateway's OpenAI-shaped 503. The
+        backends' health is in the body, in vllm_guard_backend_up, and in that 503."""
         pool = runtime_of(request).pool
         states = {b.name: b.healthy for b in pool.backends}
-        ready = pool.any_healthy()
-        body = error_body("no backend answers /health", "service_unavailable", code="not_ready")
-        if ready:
-            body = (
-                b'{"status":"ready","backends":{'
-                + b",".join(f'"{name}":{str(ok).lower()}'.encode() for name, ok in states.items())
-                + b"}}"
-            )
-        return Response(body, status_code=200 if ready else 503, media_type=JSON_MEDIA_TYPE)
+        body = orjson.dumps(
+            {"status": "ready", "any_backend_healthy": pool.any_healthy(), "backends": states}
+        )
+        return Response(body, media_type=JSON_MEDIA_TYPE)
 
     if settings.metrics.port is not None:
 
@@ -458,6 +475,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Any other path: proxied verbatim; the body read whole (bounded), reply streamed."""
         runtime = runtime_of(request)
         request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
+        logs.request_id.set(request_id)
         raw_path = request.scope.get("raw_path") or request.url.path.encode()
         try:
             # Read whole, within the body limit, before anything goes upstream: a

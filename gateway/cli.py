@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import logging
 import os
 import shutil
 import sys
@@ -37,9 +39,13 @@ def _prepare_multiprocess_metrics(settings: Settings) -> None:
     if not settings.metrics.enabled or (settings.server.workers <= 1 and not separate_port):
         os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         return
-    directory = settings.metrics.multiproc_dir or tempfile.mkdtemp(prefix="vllm-guard-metrics-")
-    shutil.rmtree(directory, ignore_errors=True)
-    os.makedirs(directory, exist_ok=True)
+    # A fresh directory of our own, inside the configured one: never delete (or read
+    # stale files from) what the gateway did not create.
+    parent = settings.metrics.multiproc_dir
+    if parent is not None:
+        os.makedirs(parent, exist_ok=True)
+    directory = tempfile.mkdtemp(prefix="vllm-guard-metrics-", dir=parent)
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
 
 
@@ -72,6 +78,9 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     # prometheus_client picks its value class when it is first imported, so the
     # multiprocess directory must be set before anything imports it.
+    for warning in settings.warnings():
+        logging.getLogger("vllm_guard").warning("configuration: %s", warning)
+        print(f"vllm-guard: warning: {warning}", file=sys.stderr)
     _prepare_multiprocess_metrics(settings)
     tune_malloc()
     import uvicorn
@@ -86,6 +95,7 @@ def serve(args: argparse.Namespace) -> int:
         )
     os.environ[RESOLVED_SETTINGS_ENV] = settings.model_dump_json()
     server = settings.server
+    from gateway.logs import log_config
     from gateway.protocol import EdgeHttpToolsProtocol, connection_limit
 
     uvicorn.run(
@@ -95,6 +105,7 @@ def serve(args: argparse.Namespace) -> int:
         port=server.port,
         workers=server.workers,
         log_level=server.log_level,
+        log_config=log_config(server.log_level, server.log_format),
         loop="uvloop",
         http=EdgeHttpToolsProtocol,
         limit_concurrency=connection_limit(server.max_connections),
@@ -110,8 +121,10 @@ def check_config(args: argparse.Namespace) -> int:
         settings = load_settings(args.file)
     except ConfigError as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
-        return 1
+        return 2  # as serve does for the same error
     backends = ", ".join(f"{b.name}={b.url} ({b.role})" for b in settings.upstream.backends)
+    for warning in settings.warnings():
+        print(f"{args.file}: warning: {warning}", file=sys.stderr)
     print(f"{args.file}: OK")
     print(f"  backends: {backends}")
     print(

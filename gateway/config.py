@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -252,7 +252,9 @@ class ServerSettings(_Strict):
     #: Open client connections per worker; past it, new requests get a 503 in OpenAI's
     #: shape. null: half the open-file limit (the rest is for upstream connections).
     max_connections: Annotated[int, Field(ge=1)] | None = None
-    log_level: str = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    #: "text" (human), or "json": one JSON object per line with the request id.
+    log_format: Literal["text", "json"] = "text"
     #: vLLM's administrative endpoints (/reset_prefix_cache, /sleep, /collective_rpc,
     #: /v1/load_lora_adapter, ...) and unguarded ways into its generation handlers
     #: (/invocations, /v1/chat/completions/batch) are refused; list here the ones the
@@ -275,13 +277,35 @@ class AuthSettings(_Strict):
 
 class MetricsSettings(_Strict):
     enabled: bool = True
-    #: Multiprocess-mode directory when workers > 1 (created and wiped at start).
+    #: Where multiprocess-mode files go when workers > 1: the gateway creates its own
+    #: fresh subdirectory there (and removes only that). Default: the temp dir.
     multiproc_dir: str | None = None
     #: Serve /metrics on this separate port (and address) instead of the main one.
     port: Annotated[int, Field(ge=1, le=65535)] | None = None
     host: str = "127.0.0.1"
     #: SHA-256 hex digests of keys allowed to read /metrics (empty: no key needed).
     api_key_sha256: KeyHashes = Field(default_factory=list)
+
+    @field_validator("multiproc_dir")
+    @classmethod
+    def _not_a_system_directory(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value.startswith("/"):
+            raise ValueError(f"multiproc_dir must be an absolute path, got {value!r}")
+        normalised = "/" + "/".join(p for p in value.split("/") if p and p != ".")
+        if normalised in _SYSTEM_DIRECTORIES or ".." in value.split("/"):
+            raise ValueError(
+                f"multiproc_dir {value!r} is a system directory; use a directory of its own "
+                "(e.g. /tmp/vllm-guard-metrics)"
+            )
+        return value
+
+
+_SYSTEM_DIRECTORIES = frozenset(
+    {"/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/proc", "/root",
+     "/run", "/sbin", "/sys", "/usr", "/var"}
+)  # fmt: skip
 
 
 class EvidenceSettings(_Strict):
@@ -309,6 +333,29 @@ class Settings(BaseSettings):
     evidence: EvidenceSettings = EvidenceSettings()
     #: Model name -> overrides. Also the bounded set of model label values.
     models: dict[str, ModelSettings] = Field(default_factory=dict)
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but do nothing as configured."""
+        out = []
+        has_fixed = any(b.role is BackendRole.FIXED for b in self.upstream.backends)
+        if self.guard.retry_target is RetryTarget.FIXED and not has_fixed:
+            out.append(
+                "guard.retry_target is 'fixed' but no backend has role 'fixed': retries "
+                "stay on the same backend"
+            )
+        if self.guard.canary_weight > 0 and not has_fixed:
+            out.append(
+                "guard.canary_weight is set but no backend has role 'fixed': no first "
+                "attempt goes anywhere else"
+            )
+        if self.guard.mode is not GuardMode.ENFORCE and self.guard.on_exhausted is (
+            ExhaustedPolicy.ERROR
+        ):
+            out.append(
+                f"guard.on_exhausted 'error' applies in enforce mode only (mode is "
+                f"'{self.guard.mode}')"
+            )
+        return out
 
     def detectors_for(self, model: str) -> DetectorSettings:
         override = self.models.get(model)
@@ -365,8 +412,23 @@ def _describe(exc: ValidationError) -> str:
         message = error["msg"]
         if error["type"] == "extra_forbidden":
             message = "unknown setting (check the spelling against config/vllm-guard.yaml)"
+        source = _environment_variable_for(error["loc"])
+        if source is not None:
+            where += f" (from the environment variable {source})"
         lines.append(f"  {where}: {message}")
     return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _environment_variable_for(loc: tuple[int | str, ...]) -> str | None:
+    """The VLLM_GUARD_* variable that set the value at ``loc``, if one did."""
+    import os
+
+    for depth in range(len(loc), 0, -1):
+        parts = [str(p) for p in loc[:depth] if isinstance(p, str)]
+        name = "VLLM_GUARD_" + "__".join(parts).upper()
+        if parts and name in os.environ:
+            return name
+    return None
 
 
 def load_settings(

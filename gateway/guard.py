@@ -396,6 +396,7 @@ class Guard:
             if attempt.stream is not None:
                 self._count_attempt(attempt, trace)
             self._finish(trace, attempt.backend, "degenerate")
+            self.metrics.degenerate_refused.labels(trace.model, attempt.backend.name, kind).inc()
             raise DegenerateResponse(
                 f"the backend returned a degenerate answer ({kind}) on all "
                 f"{trace.attempts} attempt(s)"
@@ -414,6 +415,7 @@ class Guard:
         trace: Trace,
     ) -> Attempt:
         body = body_with(request, attempt_overrides(request, salt))
+        self.metrics.upstream_attempts.labels(trace.model, backend.name).inc()
         if trace.attempts > 1:
             # A distinct upstream id per attempt: vLLM may still be aborting the
             # previous one, and its logs then tell the attempts apart.
@@ -679,7 +681,9 @@ class Guard:
         m = self.metrics
         m.requests.labels(trace.model, backend.name, request.endpoint, stream, verdict).inc()
         m.attempts.labels(trace.model).observe(trace.attempts)
-        m.request_duration.labels(trace.model, request.endpoint, stream).observe(elapsed)
+        m.request_duration.labels(trace.model, backend.name, request.endpoint, stream).observe(
+            elapsed
+        )
         if not request.stream:
             m.overhead.labels(request.endpoint, stream).observe(
                 max(0.0, elapsed - trace.upstream_s)

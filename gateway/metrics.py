@@ -19,6 +19,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Gauge,
+    ProcessCollector,
     generate_latest,
     multiprocess,
 )
@@ -97,9 +98,23 @@ class Metrics:
             ["model", "backend", "endpoint", "stream", "verdict"],
             registry=r,
         )
+        self.upstream_attempts = Counter(
+            "vllm_guard_upstream_attempts",
+            "Attempts sent to a backend (first attempts, retries and failovers). The bug's "
+            "rate on a backend is degenerate_responses / upstream_attempts.",
+            ["model", "backend"],
+            registry=r,
+        )
         self.degenerate = Counter(
             "vllm_guard_degenerate_responses",
-            "Degenerate attempts detected, by detector kind.",
+            "Degenerate attempts detected, by detector kind (at most one per attempt).",
+            ["model", "backend", "kind"],
+            registry=r,
+        )
+        self.degenerate_refused = Counter(
+            "vllm_guard_degenerate_refused",
+            "Requests answered with a 502 because every attempt was degenerate "
+            "(guard.on_exhausted: error).",
             ["model", "backend", "kind"],
             registry=r,
         )
@@ -164,8 +179,8 @@ class Metrics:
         )
         self.request_duration = Histogram(
             "vllm_guard_request_duration_seconds",
-            "Time from request received to response complete.",
-            ["model", "endpoint", "stream"],
+            "Time from request received to response complete (backend: the final attempt's).",
+            ["model", "backend", "endpoint", "stream"],
             buckets=DURATION_BUCKETS,
             registry=r,
         )
@@ -219,6 +234,21 @@ class Metrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+        self.in_flight = Gauge(
+            "vllm_guard_requests_in_flight",
+            "Guarded requests being worked on or streamed right now (a scaling signal).",
+            ["endpoint"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.config_info = Gauge(
+            "vllm_guard_config_info",
+            "The guard's mode and policies (value is always 1): alerts use it, e.g. to stay "
+            "quiet about delivered degenerate answers in observe mode.",
+            ["mode", "on_exhausted", "after_release", "retry_target"],
+            registry=r,
+            multiprocess_mode="max",
+        )
         self.build_info = Gauge(
             "vllm_guard_build_info",
             "vllm-guard build (value is always 1).",
@@ -227,6 +257,8 @@ class Metrics:
             multiprocess_mode="max",
         )
         self.build_info.labels(__version__).set(1)
+        if not multiprocess_enabled():
+            ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes
 
     def model_label(self, model: str | None) -> str:
         if model is not None and (model in self.models or model in self._discovered):
@@ -243,6 +275,9 @@ class Metrics:
         if multiprocess_enabled():
             merged = CollectorRegistry()
             multiprocess.MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+            # process_*: the worker answering this scrape (multiprocess mode has no
+            # way to merge them across workers).
+            ProcessCollector(registry=merged)
             return generate_latest(merged), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 

@@ -13,8 +13,10 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import orjson
@@ -35,10 +37,11 @@ class Served:
         env = {**os.environ}
         for key, value in server.items():
             env[f"VLLM_GUARD_SERVER__{key.upper()}"] = str(value)
+        self.log = tempfile.NamedTemporaryFile(prefix="vllm-guard-log-")  # noqa: SIM115
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--backend", stub.url,
              "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+            stdout=subprocess.DEVNULL, stderr=self.log, env=env,
         )  # fmt: skip
         self.url = f"http://127.0.0.1:{self.port}"
         wait_http(self.url + "/readyz", 30, self.process)
@@ -150,3 +153,24 @@ def test_a_full_gateway_answers_503_in_openai_shape(serve: type[Served]) -> None
             sock.close()
     time.sleep(0.3)
     assert httpx.get(gateway.url + "/healthz", timeout=10).status_code == 200
+
+
+def test_json_logs_carry_the_request_id(serve: type[Served], stub: StubBackend) -> None:
+    gateway = serve(log_format="json")
+    stub.state.forced_scenario = "not-json"
+    try:
+        response = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "a secret prompt"}]},
+            headers={"x-request-id": "req-json-log-1"},
+        )
+    finally:
+        stub.state.forced_scenario = None
+    assert response.status_code == 502
+    time.sleep(0.5)
+    text = Path(gateway.log.name).read_bytes()
+    lines = [orjson.loads(line) for line in text.splitlines() if line.strip()]
+    mine = [line for line in lines if line.get("request_id") == "req-json-log-1"]
+    assert mine, lines
+    assert mine[0]["level"] == "warning"
+    assert b"a secret prompt" not in text

@@ -52,7 +52,7 @@ def test_check_config_explains_problems(
 ) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text(text)
-    assert main(["check-config", str(config)]) == 1
+    assert main(["check-config", str(config)]) == 2  # the code serve exits with
     assert fragment in capsys.readouterr().err
     with pytest.raises(ConfigError):
         load_settings(config)
@@ -66,3 +66,70 @@ def test_check_config_ok(capsys: pytest.CaptureFixture[str]) -> None:
 def test_missing_file_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_settings("/nonexistent/vllm-guard.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("server: {log_level: verbose}", "server.log_level"),
+        ("metrics: {multiproc_dir: /}", "system directory"),
+        ("metrics: {multiproc_dir: /etc/}", "system directory"),
+        ("metrics: {multiproc_dir: relative/dir}", "absolute path"),
+    ],
+)
+def test_check_config_refuses_what_serve_would_crash_on_or_regret(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, fragment: str
+) -> None:
+    """`log_level: verbose` passed check-config, then serve crashed with a KeyError;
+    `multiproc_dir: /` passed, and serve deleted the directory's contents."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    assert main(["check-config", str(config)]) == 2
+    assert fragment in capsys.readouterr().err
+    assert main(["serve", "--config", str(config)]) == 2  # the same code, before starting
+
+
+def test_settings_that_do_nothing_are_warned_about(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "noop.yaml"
+    config.write_text("guard: {retry_target: fixed, canary_weight: 0.1}\n")
+    assert main(["check-config", str(config)]) == 0
+    err = capsys.readouterr().err
+    assert "retry_target is 'fixed' but no backend has role 'fixed'" in err
+    assert "canary_weight is set but no backend has role 'fixed'" in err
+
+
+def test_an_environment_variables_error_names_the_variable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_GUARD_SERVER__PORT", "eighty")
+    config = tmp_path / "ok.yaml"
+    config.write_text("{}\n")
+    assert main(["check-config", str(config)]) == 2
+    assert "VLLM_GUARD_SERVER__PORT" in capsys.readouterr().err
+
+
+def test_multiprocess_files_go_to_a_directory_of_their_own(tmp_path: Path) -> None:
+    """The configured directory was deleted wholesale at start-up."""
+    from gateway.cli import _prepare_multiprocess_metrics
+
+    mine = tmp_path / "keep-me.txt"
+    mine.write_text("not the gateway's")
+    settings = load_settings(
+        None, {"server": {"workers": 2}, "metrics": {"multiproc_dir": str(tmp_path)}}
+    )
+    import os
+
+    before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    try:
+        _prepare_multiprocess_metrics(settings)
+        directory = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+        assert directory.parent == tmp_path
+        assert directory.name.startswith("vllm-guard-metrics-")
+        assert mine.read_text() == "not the gateway's"
+    finally:
+        if before is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        else:
+            os.environ["PROMETHEUS_MULTIPROC_DIR"] = before
