@@ -23,9 +23,9 @@ run: setup ## set up and run the gateway (backend from config, default http://12
 vllm: ## install the vLLM CPU build into its own virtualenv (idempotent)
 	bash tests/support/install_vllm.sh
 
-prometheus: ## the real Prometheus + promtool (Debian package) used by the tests
-	@command -v prometheus >/dev/null && command -v promtool >/dev/null || \
-	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+prometheus: ## the real Prometheus + promtool, and kubectl (its kustomize), from Debian, used by the tests
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null && command -v kubectl >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus kubernetes-client >/dev/null; }
 	@systemctl stop prometheus 2>/dev/null || true
 
 lint: setup

@@ -23,6 +23,8 @@ from support.workload import run_workload
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+K8S_BASE = K8S / "base"
 BIN = Path(sys.executable).parent
 
 
@@ -40,7 +42,7 @@ def test_promtool_config_rules_and_rule_tests() -> None:
 
 
 def test_prometheusrule_carries_the_tested_rules(tmp_path: Path) -> None:
-    resource = yaml.safe_load((DEPLOY / "k8s" / "prometheusrule.yaml").read_text())
+    resource = yaml.safe_load((K8S_BASE / "prometheusrule.yaml").read_text())
     assert resource["apiVersion"] == "monitoring.coreos.com/v1"
     assert resource["kind"] == "PrometheusRule"
     assert resource["spec"] == yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
@@ -49,39 +51,84 @@ def test_prometheusrule_carries_the_tested_rules(tmp_path: Path) -> None:
     assert "11 rules found" in run("promtool", "check", "rules", str(rules))
 
 
+def test_the_kustomize_base_carries_the_tested_dashboard() -> None:
+    copy = json.loads((K8S_BASE / "vllm-guard-overview.json").read_text())
+    assert copy == dashboard()
+
+
 def test_hadolint_passes() -> None:
     run(str(BIN / "hadolint"), "Dockerfile", "deploy/vllm-fixed/Dockerfile")
 
 
-def test_kubernetes_manifests_validate() -> None:
-    manifests = sorted(str(p) for p in (DEPLOY / "k8s").glob("*.yaml"))
-    output = run(str(BIN / "kubernetes-validate"), "--strict", *manifests)
-    for kind in ("configmap", "deployment", "service", "horizontalpodautoscaler",
-                 "poddisruptionbudget"):  # fmt: skip
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    """``kubectl kustomize``: the objects a user's ``kubectl apply -k`` would create."""
+    return [d for d in yaml.safe_load_all(run("kubectl", "kustomize", str(directory))) if d]
+
+
+def test_kustomize_base_renders_and_validates(tmp_path: Path) -> None:
+    objects = kustomize(K8S_BASE)
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == sorted(["ConfigMap", "ConfigMap", "Deployment", "Service",
+                            "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor",
+                            "PrometheusRule"])  # fmt: skip
+    core = [o for o in objects if o["kind"] not in ("ServiceMonitor", "PrometheusRule")]
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(yaml.safe_dump_all(core))
+    output = run(str(BIN / "kubernetes-validate"), "--strict", str(rendered))
+    for kind in ("deployment", "service", "horizontalpodautoscaler", "poddisruptionbudget",
+                 "configmap"):  # fmt: skip
         assert f"passed for resource {kind}/vllm-guard" in output
 
 
+def test_kustomize_overlay_labels_the_monitoring_objects_for_kube_prometheus_stack() -> None:
+    objects = kustomize(K8S / "overlays" / "kube-prometheus-stack")
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        (resource,) = [o for o in objects if o["kind"] == kind]
+        assert resource["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
 def test_k8s_objects_fit_together() -> None:
-    docs = {p.stem: yaml.safe_load(p.read_text()) for p in (DEPLOY / "k8s").glob("*.yaml")}
-    pod = docs["deployment"]["spec"]["template"]
+    objects = kustomize(K8S_BASE)
+    docs = {o["kind"]: o for o in objects if o["kind"] != "ConfigMap"}
+    config_maps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
+    deployment = docs["Deployment"]
+    pod = deployment["spec"]["template"]
     labels = pod["metadata"]["labels"]
-    assert docs["service"]["spec"]["selector"].items() <= labels.items()
-    assert docs["pdb"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    monitor = docs["servicemonitor"]
+    assert "replicas" not in deployment["spec"]  # the HPA owns the count
+    assert docs["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]["name"] == "vllm-guard"
+    spread = pod["spec"]["topologySpreadConstraints"][0]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert docs["Service"]["spec"]["selector"].items() <= labels.items()
+    assert docs["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    monitor = docs["ServiceMonitor"]
     assert (
         monitor["spec"]["selector"]["matchLabels"].items()
-        <= docs["service"]["metadata"]["labels"].items()
+        <= docs["Service"]["metadata"]["labels"].items()
     )
-    service_ports = {p["name"] for p in docs["service"]["spec"]["ports"]}
+    service_ports = {p["name"] for p in docs["Service"]["spec"]["ports"]}
     assert {e["port"] for e in monitor["spec"]["endpoints"]} <= service_ports
-    config = yaml.safe_load(docs["configmap"]["data"]["vllm-guard.yaml"])
+    # The config map the pods mount is the generated one, its name hashed from the
+    # config (a change rolls the pods).
+    (volume,) = [v for v in pod["spec"]["volumes"] if "configMap" in v]
+    config_name = volume["configMap"]["name"]
+    assert config_name.startswith("vllm-guard-")
+    assert config_name in config_maps
+    config_text = config_maps[config_name]["data"]["vllm-guard.yaml"]
+    config = yaml.safe_load(config_text)
     grace = config["server"]["shutdown_grace_s"]
-    assert pod["spec"]["terminationGracePeriodSeconds"] > grace + 5  # preStop pause + drain
+    pre_stop = 5  # the preStop pause
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= pre_stop + grace + 5
+    dashboard_map = config_maps["vllm-guard-dashboard"]
+    assert dashboard_map["metadata"]["labels"]["grafana_dashboard"] == "1"
     config_file = Path("/tmp") / f"vllm-guard-k8s-{time.time_ns()}.yaml"
-    config_file.write_text(docs["configmap"]["data"]["vllm-guard.yaml"])
-    assert "OK" in run(str(BIN / "vllm-guard"), "check-config", str(config_file))
+    config_file.write_text(config_text)
+    checked = run(str(BIN / "vllm-guard"), "check-config", str(config_file))
+    assert "OK" in checked
+    assert "warning" not in checked
     compose_config = DEPLOY / "compose" / "vllm-guard.yaml"
-    assert "OK" in run(str(BIN / "vllm-guard"), "check-config", str(compose_config))
+    checked = run(str(BIN / "vllm-guard"), "check-config", str(compose_config))
+    assert "OK" in checked
+    assert "warning" not in checked
 
 
 def test_compose_stack_is_coherent() -> None:
@@ -89,6 +136,12 @@ def test_compose_stack_is_coherent() -> None:
     services = compose["services"]
     assert {"vllm", "vllm-fixed", "vllm-guard", "prometheus", "grafana"} <= services.keys()
     assert services["vllm-fixed"]["profiles"] == ["fixed"]
+    for name in ("vllm-guard", "prometheus", "grafana"):  # never all interfaces by default
+        assert all(p.startswith("${HOST_BIND:-127.0.0.1}:") for p in services[name]["ports"])
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
+    assert grafana["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert any("vllm-overview.json" in v for v in services["grafana"]["volumes"])
     flags = services["vllm"]["command"]
     for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details",
                  "--mamba-cache-mode=align", "--enable-chunked-prefill"):  # fmt: skip
@@ -119,6 +172,11 @@ def dashboard() -> dict[str, Any]:
     return data
 
 
+def vllm_dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((DEPLOY / "grafana" / "vllm-overview.json").read_text())
+    return data
+
+
 def test_dashboard_shape() -> None:
     board = dashboard()
     assert board["title"] == "vllm-guard overview"
@@ -138,7 +196,8 @@ def test_every_dashboard_panel_returns_data(vllm: RunningVLLM, gateway_for: Gate
         guard={"budget": {"ratio": 1.0, "min_per_second": 5.0}},
         upstream={"metrics_scrape_interval_s": 1.0},
     )
-    with PrometheusServer({"vllm-guard": f"127.0.0.1:{gateway.port}"}) as prom:
+    vllm_target = vllm.url.removeprefix("http://")
+    with PrometheusServer({"vllm-guard": f"127.0.0.1:{gateway.port}", "vllm": vllm_target}) as prom:
         prom.wait_for_scrape_after(time.time(), "vllm-guard")  # scraping before traffic starts
         client = openai_client(gateway.url)
         seed = int(time.time()) % 100_000
@@ -169,6 +228,16 @@ def test_every_dashboard_panel_returns_data(vllm: RunningVLLM, gateway_for: Gate
                 expr = substitute(target["expr"], vllm.model, "vllm0")
                 if not prom.query(expr):
                     empty.append(f"{panel['title']}: {expr}")
+        # vLLM's own dashboard, provisioned beside ours (speculative decoding is off on
+        # the test server, so its acceptance panel is empty by design).
+        for panel in vllm_dashboard()["panels"]:
+            if "Speculative" in panel["title"]:
+                continue
+            for target in panel["targets"]:
+                expr = target["expr"].replace("$model_name", vllm.model)
+                expr = expr.replace("$__rate_interval", "5m")
+                if not prom.query(expr):
+                    empty.append(f"vLLM: {panel['title']}: {expr}")
         assert empty == [], "panels without data:\n" + "\n".join(empty)
         for variable in ("model", "backend"):
             values = httpx.get(prom.url + f"/api/v1/label/{variable}/values").json()["data"]
