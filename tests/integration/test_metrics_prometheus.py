@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from conftest import ARTIFACTS, GatewayFactory, RunningVLLM, openai_client
 from support.prometheus import PrometheusServer
 from support.servers import free_port, wait_http
@@ -133,3 +134,42 @@ def test_two_workers_add_up_exactly(vllm: RunningVLLM, tmp_path: Path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_the_corruption_ratios_stay_within_0_and_1(
+    vllm: RunningVLLM, gateway_for: GatewayFactory
+) -> None:
+    """Every attempt of every request degenerate (three each): the old "degenerate
+    attempts / requests" read 300%. The recording rules' ratios, evaluated by a real
+    Prometheus on the gateway's real metrics, read 100%."""
+    gateway = gateway_for(
+        vllm.url, guard={"max_attempts": 3, "budget": {"ratio": 10.0, "min_per_second": 10.0}}
+    )
+    rules = yaml.safe_load((Path(__file__).parents[2] / "deploy/prometheus/alerts.yml").read_text())
+    records = {r["record"]: r["expr"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    client = openai_client(gateway.url)
+
+    def corrupt_request(i: int) -> None:
+        raw = client.chat.completions.with_raw_response.create(
+            model=vllm.model, max_tokens=12,
+            messages=[{"role": "user", "content": f"every attempt is corrupt {i}"}],
+            extra_body={"vllm_xargs": {"vg_poison_all": "bang"}},
+        )  # fmt: skip
+        assert raw.headers["x-vllm-guard-attempts"] == "3"
+
+    corrupt_request(0)  # every series exists before the first scrape (no half-done request)
+    with PrometheusServer({"gateway": f"127.0.0.1:{gateway.port}"}) as prom:
+        prom.wait_for_scrape_after(time.time(), "gateway")
+        for i in range(1, 6):
+            corrupt_request(i)
+        time.sleep(1.5)
+        prom.wait_for_scrape_after(time.time(), "gateway")
+        old = prom.scalar(
+            "sum(increase(vllm_guard_degenerate_responses_total[5m])) "
+            "/ sum(increase(vllm_guard_requests_total[5m]))"
+        )
+        assert old == pytest.approx(3.0, rel=0.01)
+        attempt_ratio = prom.scalar(f"max({records['vllm_guard:degenerate_attempt_ratio:rate5m']})")
+        affected = prom.scalar(f"max({records['vllm_guard:affected_request_ratio:rate5m']})")
+        assert attempt_ratio == pytest.approx(1.0)
+        assert affected == pytest.approx(1.0)
