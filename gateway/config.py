@@ -73,6 +73,10 @@ class UpstreamSettings(_Strict):
     #: backend's keep-alive timeout (vLLM/uvicorn: 5 s).
     keepalive_s: Annotated[float, Field(gt=0)] = 4.0
     health_interval_s: Annotated[float, Field(gt=0)] = 5.0
+    #: Conversation-affine routing across primaries: a backend may carry at most this
+    #: multiple of its weighted share of the requests in flight before a
+    #: conversation that hashes to it goes to the next backend in its ranking.
+    affinity_load_factor: Annotated[float, Field(ge=1)] = 1.25
     #: How often each backend's own /metrics is scraped (prefix-cache hit ratio).
     metrics_scrape_interval_s: Annotated[float, Field(gt=0)] = 15.0
     #: Largest single SSE event accepted from a backend (a longer one is a 502, or an

@@ -108,6 +108,8 @@ class Trace:
     client: str = ""
     #: The budget's grant for the attempt under way, when it is a retry.
     ticket: RetryTicket | None = None
+    #: The backend whose in-flight count this request holds (affinity's bounded load).
+    routed: Backend | None = None
 
 
 @dataclass(slots=True)
@@ -235,6 +237,8 @@ class Guard:
         self.salts = SaltMemory(settings.guard.salt_reuse)
         self._detectors: dict[str, Detector] = {}
         self._holdback: dict[str | None, int] = {}
+        #: Several primaries: first attempts follow the conversation (rendezvous).
+        self._route_by_conversation = len(pool.primaries) > 1
         self._default_detector = Detector(settings.guard.detectors)
         self._tokens_unreported: set[str] = set()
 
@@ -274,18 +278,20 @@ class Guard:
         client: str = "",
     ) -> Response:
         settings = self.settings.guard
+        reuse_salts = settings.salt_reuse.enabled and self.mode is GuardMode.ENFORCE
+        fingerprint = (
+            conversation_key(
+                request.endpoint, request.body, request.client_salt, settings.salt_reuse
+            )
+            if reuse_salts or self._route_by_conversation
+            else None
+        )
         trace = Trace(
             client=client,
             request=request,
             model=self.metrics.model_label(request.model),
             started=started,
-            conversation=(
-                conversation_key(
-                    request.endpoint, request.body, request.client_salt, settings.salt_reuse
-                )
-                if settings.salt_reuse.enabled and self.mode is GuardMode.ENFORCE
-                else None
-            ),
+            conversation=fingerprint if reuse_salts else None,
         )
         self.budget.record_request()
         salt = request.client_salt
@@ -293,7 +299,9 @@ class Guard:
         if remembered is not None and settings.salt_reuse.on_first_attempt:
             salt = remembered
             self.metrics.salt_reuse.labels(trace.model, "first").inc()
-        backend = self.pool.choose_first(settings.canary_weight, self.rng)
+        backend = self.pool.choose_first(settings.canary_weight, self.rng, affinity=fingerprint)
+        trace.routed = backend
+        backend.in_flight += 1
         while True:
             trace.attempts += 1
             try:
@@ -323,6 +331,7 @@ class Guard:
                 raise
             except BaseException:  # the client left: the retry's outcome is unknown
                 self._settle(trace, recovered=None)
+                self._unroute(trace)
                 raise
             self._settle(trace, recovered=attempt.status == 200 and not attempt.verdict.degenerate)
             if attempt.status != 200 or not attempt.verdict.degenerate:
@@ -674,7 +683,13 @@ class Guard:
             usage.cached_tokens
         )
 
+    def _unroute(self, trace: Trace) -> None:
+        if trace.routed is not None:
+            trace.routed.in_flight -= 1
+            trace.routed = None
+
     def _finish(self, trace: Trace, backend: Backend, verdict: str) -> None:
+        self._unroute(trace)
         request = trace.request
         stream = "true" if request.stream else "false"
         elapsed = time.perf_counter() - trace.started

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import math
 import random
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -61,6 +63,8 @@ class Backend:
     fresh_session: aiohttp.ClientSession
     healthy: bool = True
     failed_probes: int = 0
+    #: Guarded requests this process has working on this backend right now.
+    in_flight: int = 0
 
     @property
     def name(self) -> str:
@@ -192,12 +196,43 @@ class BackendPool:
     def any_healthy(self) -> bool:
         return any(b.healthy for b in self.backends)
 
-    def choose_first(self, canary_weight: float, rng: random.Random) -> Backend:
+    def choose_first(
+        self, canary_weight: float, rng: random.Random, affinity: str | None = None
+    ) -> Backend:
+        """The backend for a first attempt: the canary share goes to the fixed backend;
+        the rest to a primary, by conversation (``affinity``) when there is one, so a
+        conversation's turns reuse one replica's prefix cache."""
         fixed = self.fixed
         use_canary = canary_weight > 0 and rng.random() < canary_weight
         if fixed is not None and fixed.healthy and use_canary:
             return fixed
+        if affinity is not None:
+            chosen = self._by_affinity(affinity)
+            if chosen is not None:
+                return chosen
         return self._weighted(self.primaries, rng, exclude=None)
+
+    def _by_affinity(self, key: str) -> Backend | None:
+        """Weighted rendezvous hashing over the healthy primaries, with bounded load.
+
+        Each backend scores ``-weight / ln(u)`` with ``u`` uniform from a hash of (key,
+        backend name): the highest score wins, in proportion to the weights, and when
+        a backend leaves or rejoins only the conversations it wins move. A backend
+        already carrying more than ``affinity_load_factor`` x its weighted share of
+        the requests in flight is passed over for the next in the ranking, so a
+        skewed mix cannot pile onto one replica."""
+        healthy = [b for b in self.primaries if b.healthy]
+        if len(healthy) < 2:
+            return healthy[0] if healthy else None
+        ranked = sorted(healthy, key=lambda b: _rendezvous_score(key, b), reverse=True)
+        total_weight = sum(b.settings.weight for b in healthy)
+        in_flight = sum(b.in_flight for b in healthy) + 1
+        factor = self.settings.affinity_load_factor
+        for backend in ranked:
+            share = backend.settings.weight / total_weight
+            if backend.in_flight + 1 <= max(1.0, math.ceil(factor * share * in_flight)):
+                return backend
+        return ranked[0]
 
     def choose_retry(
         self, previous: Backend, target: RetryTarget, rng: random.Random, *, failover: bool
@@ -253,6 +288,12 @@ class BackendPool:
 
 #: Raw header pairs in order, repeats kept (ASGI's form of response headers).
 RawHeaders = list[tuple[bytes, bytes]]
+
+
+def _rendezvous_score(key: str, backend: Backend) -> float:
+    digest = hashlib.blake2b(f"{key}\x00{backend.name}".encode(), digest_size=8).digest()
+    uniform = (int.from_bytes(digest, "big") + 1) / (2**64 + 1)  # in (0, 1)
+    return -backend.settings.weight / math.log(uniform)
 
 
 def connection_tokens(values: Iterable[str]) -> frozenset[str]:

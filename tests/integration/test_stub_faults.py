@@ -390,3 +390,31 @@ def test_streams_read_to_the_end_are_not_counted_as_disconnects(
     metrics = httpx.get(gateway.url + "/metrics").text
     assert "vllm_guard_client_disconnects_total{" not in metrics
     assert 'verdict="clean"} 10.0' in metrics
+
+
+def test_a_conversations_turns_stay_on_one_replica(gateway_for: GatewayFactory) -> None:
+    """Two primaries: every turn of a conversation reaches the same one (its prefix
+    cache), and the conversations spread over both."""
+    with StubBackend() as a, StubBackend() as b:
+        gateway = gateway_for([a.url, b.url])
+        for turn in range(3):
+            for conversation in range(12):
+                messages = [
+                    {"role": "system", "content": f"agent {conversation}"},
+                    {"role": "user", "content": "open settings"},
+                    *[{"role": "user", "content": f"step {t}"} for t in range(turn)],
+                ]
+                response = httpx.post(
+                    gateway.url + "/v1/chat/completions",
+                    json={"model": "m", "messages": messages},
+                    timeout=30,
+                )
+                assert response.status_code == 200
+        homes: dict[str, set[str]] = {}
+        for name, stub in (("a", a), ("b", b)):
+            for body in stub.state.requests:
+                system = body["messages"][0]["content"]  # type: ignore[index]
+                homes.setdefault(system, set()).add(name)
+        assert len(homes) == 12
+        assert all(len(replicas) == 1 for replicas in homes.values()), homes
+        assert {next(iter(r)) for r in homes.values()} == {"a", "b"}

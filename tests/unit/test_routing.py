@@ -1,0 +1,103 @@
+"""Conversation-affine routing: rendezvous hashing over the healthy primaries, weights
+respected, bounded load, and only a leaving backend's conversations move."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from gateway.config import UpstreamSettings
+from gateway.upstream import BackendPool
+
+KEYS = [f"conversation-{i}" for i in range(3000)]  # fixed: the tests are deterministic
+
+
+def with_pool(backends: list[dict[str, Any]], check: Callable[[BackendPool], None]) -> None:
+    async def run() -> None:
+        pool = BackendPool(UpstreamSettings.model_validate({"backends": backends}))
+        try:
+            check(pool)
+        finally:
+            await pool.session.close()
+            await pool.fresh_session.close()
+
+    asyncio.run(run())
+
+
+def assignment(pool: BackendPool) -> dict[str, str]:
+    rng = random.Random(0)
+    return {key: pool.choose_first(0.0, rng, affinity=key).name for key in KEYS}
+
+
+THREE = [{"name": n, "url": f"http://{n}:8000"} for n in ("a", "b", "c")]
+
+
+def test_a_conversation_always_lands_on_the_same_backend() -> None:
+    def check(pool: BackendPool) -> None:
+        first, second = assignment(pool), assignment(pool)
+        assert first == second
+        counts = Counter(first.values())
+        assert set(counts) == {"a", "b", "c"}
+        assert all(800 < n < 1200 for n in counts.values()), counts  # ~1000 each
+
+    with_pool(THREE, check)
+
+
+def test_a_backend_that_leaves_moves_only_its_own_conversations() -> None:
+    def check(pool: BackendPool) -> None:
+        before = assignment(pool)
+        pool.backends[1].healthy = False  # b leaves
+        during = assignment(pool)
+        moved = {k for k in KEYS if before[k] != during[k]}
+        assert moved == {k for k in KEYS if before[k] == "b"}
+        pool.backends[1].healthy = True  # ...and rejoins: everything goes back
+        assert assignment(pool) == before
+
+    with_pool(THREE, check)
+
+
+def test_weights_are_respected() -> None:
+    weighted = [
+        {"name": "big", "url": "http://big:8000", "weight": 3.0},
+        {"name": "small", "url": "http://small:8000", "weight": 1.0},
+    ]
+
+    def check(pool: BackendPool) -> None:
+        counts = Counter(assignment(pool).values())
+        assert 0.70 < counts["big"] / len(KEYS) < 0.80, counts  # 75% expected
+
+    with_pool(weighted, check)
+
+
+def test_bounded_load_spills_a_skewed_mix_to_the_next_backend() -> None:
+    """Every conversation hashing to one backend cannot pile onto it: past 1.25x its
+    share of the requests in flight, the next backend in the ranking takes them."""
+
+    def check(pool: BackendPool) -> None:
+        rng = random.Random(0)
+        home = pool.choose_first(0.0, rng, affinity="hot")
+        for backend in pool.backends:
+            backend.in_flight = 0
+        chosen = []
+        for _ in range(30):  # one hot conversation, 30 requests at once
+            backend = pool.choose_first(0.0, rng, affinity="hot")
+            backend.in_flight += 1
+            chosen.append(backend.name)
+        counts = Counter(chosen)
+        assert counts[home.name] == max(counts.values())
+        assert counts[home.name] <= 1.25 * 30 / 3 + 1
+        assert len(counts) == 3
+
+    with_pool(THREE, check)
+
+
+def test_without_a_conversation_the_choice_is_weighted_random() -> None:
+    def check(pool: BackendPool) -> None:
+        rng = random.Random(1)
+        counts = Counter(pool.choose_first(0.0, rng).name for _ in range(3000))
+        assert set(counts) == {"a", "b", "c"}
+
+    with_pool(THREE, check)
