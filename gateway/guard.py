@@ -543,7 +543,7 @@ class Guard:
             status_code=200,
             raw_headers=headers,
             media_type=SSE_MEDIA_TYPE,
-            on_close=attempt.stream.response.close,
+            on_close=lambda: self._closed(attempt, trace),
             on_client_gone=lambda: self._client_left_mid_stream(trace),
         )
 
@@ -682,6 +682,12 @@ class Guard:
         self.metrics.cached_prompt_tokens.labels(trace.model, backend, label).inc(
             usage.cached_tokens
         )
+
+    def _closed(self, attempt: Attempt, trace: Trace) -> None:
+        """A released stream's end, however it came (even when its relay never ran)."""
+        if attempt.stream is not None:
+            attempt.stream.response.close()
+        self._unroute(trace)
 
     def _unroute(self, trace: Trace) -> None:
         if trace.routed is not None:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import httpx
 import orjson
 import pytest
-from conftest import GatewayFactory
+from conftest import GatewayFactory, wait_for
 from support.stub_backend import StubBackend
 
 BODY = {"model": "stub", "messages": [{"role": "user", "content": "hi"}]}
@@ -418,3 +418,15 @@ def test_a_conversations_turns_stay_on_one_replica(gateway_for: GatewayFactory) 
         assert len(homes) == 12
         assert all(len(replicas) == 1 for replicas in homes.values()), homes
         assert {next(iter(r)) for r in homes.values()} == {"a", "b"}
+        # The bounded-load counts go back to zero: streams, errors and hang-ups included.
+        stream_events(gateway.url, "clean")
+        stream_events(gateway.url, "sse-garbage")
+        httpx.post(gateway.url + "/v1/chat/completions", json=BODY,
+                   headers={"x-stub-scenario": "not-json"})  # fmt: skip
+        with httpx.stream("POST", gateway.url + "/v1/chat/completions",
+                          json={**BODY, "stream": True},
+                          headers={"x-stub-scenario": "slow-stream"}) as response:  # fmt: skip
+            next(response.iter_raw())  # ...and leave
+        assert wait_for(
+            lambda: all(b.in_flight == 0 for b in gateway.runtime.pool.backends), timeout_s=10
+        )
