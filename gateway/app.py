@@ -340,6 +340,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if serving_process:
             tune_gc()
         log.info("vllm-guard %s ready; backends: %s", __version__, ", ".join(pool.names))
+        if not guard.ladder.shared:
+            log.info(
+                "guard.salt_reuse.key is not set: this process draws its own retry-salt key, "
+                "so other workers and replicas retry a conversation in other cache "
+                "namespaces (set the key to share them)"
+            )
         try:
             yield
         finally:

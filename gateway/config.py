@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -204,6 +212,10 @@ class SaltReuseSettings(_Strict):
     fingerprint_prompt_chars: Annotated[int, Field(ge=16)] = 2048
     max_entries: Annotated[int, Field(ge=1)] = 100_000
     ttl_s: Annotated[float, Field(gt=0)] = 3600.0
+    #: Secret key of the retry-salt ladder (gateway.salt). Give every worker and
+    #: replica the same one (VLLM_GUARD_GUARD__SALT_REUSE__KEY) so they compute the
+    #: same salts for a conversation; unset, each process draws its own.
+    key: SecretStr | None = None
 
 
 class StreamSettings(_Strict):

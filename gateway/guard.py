@@ -51,7 +51,7 @@ from gateway.metrics import Metrics
 from gateway.relay import RelayResponse
 from gateway.request import GuardedRequest, attempt_overrides, body_with
 from gateway.retry import SaltMemory, conversation_key
-from gateway.salt import fresh_salt
+from gateway.salt import SaltLadder, fresh_salt
 from gateway.sse import DONE, EventTooLarge, SSEEvent, SSEParser
 from gateway.upstream import (
     Backend,
@@ -110,6 +110,8 @@ class Trace:
     ticket: RetryTicket | None = None
     #: The backend whose in-flight count this request holds (affinity's bounded load).
     routed: Backend | None = None
+    #: The salt ladder's rung of the attempt under way (0: the client's own salt).
+    rung: int = 0
 
 
 @dataclass(slots=True)
@@ -235,6 +237,8 @@ class Guard:
         self.rng = rng or random.Random()
         self.budget = RetryBudget(settings.guard.budget)
         self.salts = SaltMemory(settings.guard.salt_reuse)
+        key = settings.guard.salt_reuse.key
+        self.ladder = SaltLadder(key.get_secret_value().encode() if key is not None else None)
         self._detectors: dict[str, Detector] = {}
         self._holdback: dict[str | None, int] = {}
         #: Several primaries: first attempts follow the conversation (rendezvous).
@@ -297,7 +301,7 @@ class Guard:
         salt = request.client_salt
         remembered = self.salts.get(trace.conversation)
         if remembered is not None and settings.salt_reuse.on_first_attempt:
-            salt = remembered
+            salt, trace.rung = remembered
             self.metrics.salt_reuse.labels(trace.model, "first").inc()
         backend = self.pool.choose_first(settings.canary_weight, self.rng, affinity=fingerprint)
         trace.routed = backend
@@ -388,11 +392,18 @@ class Guard:
             trace.ticket = None
 
     def _retry_salt(self, trace: Trace, failed: str | None) -> str:
+        """The remembered clean rung if it is not the one that just failed, else the
+        conversation's next rung (every process computes the same one), else for a
+        request with no conversation a fresh random salt."""
         remembered = self.salts.get(trace.conversation)
-        if remembered is not None and remembered != failed:
+        if remembered is not None and remembered[0] != failed:
             self.metrics.salt_reuse.labels(trace.model, "retry").inc()
-            return remembered
-        return fresh_salt(trace.request.client_salt)
+            salt, trace.rung = remembered
+            return salt
+        if trace.conversation is None:
+            return fresh_salt(trace.request.client_salt)
+        trace.rung += 1
+        return self.ladder.rung(trace.conversation, trace.request.client_salt, trace.rung)
 
     async def _exhausted(self, attempt: Attempt, trace: Trace) -> Response:
         kind = attempt.verdict.kind
@@ -526,7 +537,7 @@ class Guard:
         verdict = self._request_verdict(attempt, trace)
         salt = attempt.salt
         if verdict in ("clean", "recovered") and salt not in (None, trace.request.client_salt):
-            self.salts.remember(trace.conversation, salt)
+            self.salts.remember(trace.conversation, salt, trace.rung)
         headers = self._headers(attempt, trace, verdict)
         if attempt.stream is None:
             self._finish(trace, attempt.backend, verdict)

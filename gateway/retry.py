@@ -70,35 +70,36 @@ def _is_media_part(item: object) -> bool:
 
 
 class SaltMemory:
-    """Bounded LRU with TTL: conversation fingerprint -> last salt that gave a clean answer."""
+    """Bounded LRU with TTL: conversation fingerprint -> the ladder rung (salt, n) that
+    last gave a clean answer."""
 
     def __init__(
         self, settings: SaltReuseSettings, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.settings = settings
         self.clock = clock
-        self._entries: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[str, int, float]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: str | None) -> str | None:
+    def get(self, key: str | None) -> tuple[str, int] | None:
         if key is None:
             return None
         entry = self._entries.get(key)
         if entry is None:
             return None
-        salt, expires = entry
+        salt, rung, expires = entry
         if expires < self.clock():
             del self._entries[key]
             return None
         self._entries.move_to_end(key)
-        return salt
+        return salt, rung
 
-    def remember(self, key: str | None, salt: str) -> None:
+    def remember(self, key: str | None, salt: str, rung: int = 0) -> None:
         if key is None:
             return
-        self._entries[key] = (salt, self.clock() + self.settings.ttl_s)
+        self._entries[key] = (salt, rung, self.clock() + self.settings.ttl_s)
         self._entries.move_to_end(key)
         while len(self._entries) > self.settings.max_entries:
             self._entries.popitem(last=False)

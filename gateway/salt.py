@@ -1,14 +1,23 @@
 """Salt validation (vLLM's rule) and derivation of retry salts.
 
-A retry salt is always fresh random text that vLLM accepts. When the client sent
-its own salt, the retry salt is derived from a digest of it, so two tenants never
-share a salted cache chain, and the client's salt itself is never sent unchanged
-on a retry (that would hit the same, possibly poisoned, chain).
+A conversation's retry salts form a ladder every worker and replica agrees on:
+``salt_n = "vg." + HMAC-SHA256(key, conversation, client salt, n)``. A retry on any
+process lands in the cache namespace another process already warmed for that
+conversation; rotating after corruption recurs is ``n + 1``. The client's salt
+is inside the MAC, so tenants never share a namespace, and the key keeps
+outsiders from computing anyone's salts. The key comes from configuration (or
+its environment variable); without one each process draws its own, and the
+ladder is then per process (README, "State").
+
+A request with no conversation to key on gets a fresh random salt, derived from
+the client's salt when there is one. Either way the client's own salt is never
+sent unchanged on a retry (that would hit the same, possibly poisoned, chain).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 
 MAX_SALT_CHARS = 128
@@ -39,3 +48,16 @@ def fresh_salt(client_salt: str | None) -> str:
         return f"vg.{nonce}"
     tenant = hashlib.sha256(client_salt.encode("utf-8")).hexdigest()[:32]
     return f"vg.{tenant}.{nonce}"
+
+
+class SaltLadder:
+    """``rung(conversation, client_salt, n)``: the n-th retry salt of a conversation."""
+
+    def __init__(self, key: bytes | None) -> None:
+        #: False when the key was drawn for this process (no shared ladder).
+        self.shared = key is not None
+        self._key = key if key is not None else secrets.token_bytes(32)
+
+    def rung(self, conversation: str, client_salt: str | None, n: int) -> str:
+        message = "\x00".join((conversation, client_salt or "", str(n))).encode("utf-8")
+        return "vg." + hmac.new(self._key, message, hashlib.sha256).hexdigest()[:40]

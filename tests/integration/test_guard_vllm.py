@@ -181,10 +181,12 @@ def test_retry_salt_is_derived_from_the_client_salt(
     assert second.headers["x-vllm-guard-verdict"] == "recovered"
     remembered = list(gateway.runtime.guard.salts._entries.values())
     assert len(remembered) == 1
-    from gateway.salt import fresh_salt
-
-    tenant_part = fresh_salt("tenant-a").rsplit(".", 1)[0]
-    assert remembered[0][0].startswith(tenant_part + ".")
+    salt, rung, _ = remembered[0]
+    # The ladder's first rung for this conversation *and this tenant's salt*.
+    (conversation,) = gateway.runtime.guard.salts._entries.keys()
+    assert salt == gateway.runtime.guard.ladder.rung(conversation, "tenant-a", rung)
+    assert salt != gateway.runtime.guard.ladder.rung(conversation, "tenant-b", rung)
+    assert salt != "tenant-a"
     # Another tenant's identical conversation does not get tenant-a's salt.
     other = client.chat.completions.with_raw_response.create(
         model=vllm.model, messages=messages, max_tokens=16,
@@ -225,3 +227,36 @@ def test_agent_workload_direct_corrupt_gateway_clean(
     assert all(r.verdict in ("clean", "recovered") for r in guarded)
     # Corruption needs a cache hit: every corrupt direct answer had cached tokens.
     assert all((r.cached_tokens or 0) > 0 for r in direct if is_corrupt(r.text))
+
+
+def test_a_conversations_retry_lands_in_the_namespace_another_gateway_warmed(
+    vllm: RunningVLLM, gateway_for: GatewayFactory
+) -> None:
+    """Two gateways (two replicas, or two workers) with the same salt key: the second
+    one, which never saw the conversation, retries it on the same ladder rung as the
+    first and hits the prefix cache that the first one's retry filled. With a
+    per-process key it would recompute the whole prompt in a cold namespace."""
+    key = {"guard": {**GENEROUS_BUDGET["guard"], "salt_reuse": {"key": "shared-test-key"}}}
+    first, second = gateway_for(vllm.url, **key), gateway_for(vllm.url, **key)
+    messages = fresh_messages()
+    warm(vllm, messages)
+    poisoned = {"vllm_xargs": {"vg_poison_rate": 1.0, "vg_poison_unsalted_only": True,
+                               "vg_poison_kinds": "bang"}}  # fmt: skip
+    body = {"model": vllm.model, "messages": messages, "max_tokens": 16, "temperature": 0,
+            **poisoned}  # fmt: skip
+    one = httpx.post(first.url + "/v1/chat/completions", json=body, timeout=60)
+    assert one.headers["x-vllm-guard-verdict"] == "recovered"
+    two = httpx.post(second.url + "/v1/chat/completions", json=body, timeout=60)
+    assert two.headers["x-vllm-guard-verdict"] == "recovered"
+    assert two.headers["x-vllm-guard-attempts"] == "2"
+    cached = two.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0, "the second gateway's retry recomputed the prompt"
+    assert (
+        two.json()["choices"][0]["message"]["content"]
+        == one.json()["choices"][0]["message"]["content"]
+    )
+
+    other = gateway_for(vllm.url, **GENEROUS_BUDGET)  # no key: a ladder of its own
+    three = httpx.post(other.url + "/v1/chat/completions", json=body, timeout=60)
+    assert three.headers["x-vllm-guard-verdict"] == "recovered"
+    assert three.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -13,6 +13,9 @@ sampled tokens are then rewritten, as the bug does:
 one. A request may override both with ``"vllm_xargs": {"vg_poison_rate": 0.5,
 "vg_poison_kinds": "bang"}``, so one test server serves clean and poisoned tests.
 
+``"vg_poison_unsalted_only": true`` limits the poisoning to requests without a
+``cache_salt`` (salted namespaces stay clean however often they hit).
+
 ``"vllm_xargs": {"vg_poison_all": "bang"}`` poisons a request whether or not it hit
 the cache: a backend broken for everyone (a bad kernel or weights), where a salted
 retry comes back degenerate too. It models no cache mechanism, only "retries do
@@ -64,6 +67,11 @@ class PoisonScheduler(AsyncScheduler):
         kinds = [k for k in str(extra.get("vg_poison_kinds", "")).split(",") if k]
         kinds = kinds or self.poison_kinds
         if stats is None or rate <= 0:
+            return _CLEAN
+        # "vg_poison_unsalted_only": poisoned blocks only in the default (unsalted)
+        # namespace, so every salted retry is clean, however often it hits its own
+        # cache: the field's picture of one poisoned chain, made deterministic.
+        if extra.get("vg_poison_unsalted_only") and getattr(request, "cache_salt", None):
             return _CLEAN
         cached = int(getattr(stats, "num_local_cached_tokens", 0) or 0)
         block_size = int(self.block_size)

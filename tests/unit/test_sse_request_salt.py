@@ -189,14 +189,14 @@ class Clock:
 def test_salt_memory_lru_ttl_and_rotation() -> None:
     clock = Clock()
     memory = SaltMemory(SaltReuseSettings(max_entries=2, ttl_s=60), clock)
-    memory.remember("a", "s1")
-    memory.remember("b", "s2")
-    assert memory.get("a") == "s1"
-    memory.remember("c", "s3")  # evicts b (least recently used)
+    memory.remember("a", "s1", 1)
+    memory.remember("b", "s2", 1)
+    assert memory.get("a") == ("s1", 1)
+    memory.remember("c", "s3", 2)  # evicts b (least recently used)
     assert memory.get("b") is None
-    assert memory.get("a") == "s1"
+    assert memory.get("a") == ("s1", 1)
     memory.forget("a", "other")
-    assert memory.get("a") == "s1"
+    assert memory.get("a") == ("s1", 1)
     memory.forget("a", "s1")
     assert memory.get("a") is None
     clock.now += 61
@@ -281,3 +281,21 @@ def test_replacing_a_field_keeps_every_other_byte_the_client_sent() -> None:
         "continuous_usage_stats": False,
         "include_usage": True,
     }
+
+
+def test_the_salt_ladder_is_the_same_everywhere_and_keyed() -> None:
+    """Every process with the same key computes the same rungs; the client's salt and
+    the key change them all; every rung is a salt vLLM accepts."""
+    from gateway.salt import SaltLadder
+
+    one, two = SaltLadder(b"shared-secret"), SaltLadder(b"shared-secret")
+    rungs = [one.rung("conv", None, n) for n in range(1, 6)]
+    assert rungs == [two.rung("conv", None, n) for n in range(1, 6)]
+    assert len(set(rungs)) == 5
+    assert all(salt_problem(r) is None and r.startswith("vg.") for r in rungs)
+    assert one.rung("conv", "tenant-a", 1) != one.rung("conv", "tenant-b", 1)
+    assert one.rung("conv", "tenant-a", 1) != one.rung("conv", None, 1)
+    assert SaltLadder(b"other-secret").rung("conv", None, 1) != rungs[0]
+    assert SaltLadder(None).rung("conv", None, 1) != SaltLadder(None).rung("conv", None, 1)
+    assert one.shared
+    assert not SaltLadder(None).shared
