@@ -13,6 +13,20 @@ sampled tokens are then rewritten, as the bug does:
 one. A request may override both with ``"vllm_xargs": {"vg_poison_rate": 0.5,
 "vg_poison_kinds": "bang"}``, so one test server serves clean and poisoned tests.
 
+**The faithful model** (``vg_source_rate``, ``vg_propagate``): what the real bug
+does, per vLLM's hybrid cache. Only the recurrent (Mamba) state at the *last*
+block a prefill reuses is loaded, so a request is poisoned exactly when that block
+holds a corrupt state. A block's state is corrupt two ways: it is a *source*
+(written over draft positions that verification rejected: each cached block with
+probability ``vg_source_rate``, chosen from its hash), or, with ``vg_propagate``,
+it was computed by a request that had loaded a corrupt state (every block after
+that request's hit is then corrupt too, so the conversation's next unsalted turn
+is poisoned again). Another salt's namespace has other block hashes and is not
+affected. Differences from the real bug: the source choice is a hash draw, not a
+real rejected draft, and a corrupt state always yields the chosen symptom.
+The legacy ``vg_poison_rate`` (a hit is poisoned if *any* block it reuses is)
+stays for the older tests.
+
 ``"vg_poison_unsalted_only": true`` limits the poisoning to requests without a
 ``cache_salt`` (salted namespaces stay clean however often they hit).
 
@@ -47,6 +61,9 @@ def _uniform(data: bytes) -> float:
 class PoisonScheduler(AsyncScheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: Block hashes whose cached state was computed from a corrupt one (insertion
+        #: ordered: the oldest go first past a million).
+        self._corrupt_states: dict[bytes, None] = {}
         self.poison_rate = float(os.environ.get("VG_POISON_RATE", "0"))
         self.poison_kinds = [
             k for k in os.environ.get("VG_POISON_KINDS", "bang,eos").split(",") if k
@@ -57,9 +74,34 @@ class PoisonScheduler(AsyncScheduler):
             self.poison_kinds,
         )
 
+    def _faithful_kind(self, request: Any, extra: dict[str, Any], kinds: list[str]) -> str:
+        """The faithful model: the state at the last reused block decides."""
+        stats = request.prefill_stats
+        cached = int(getattr(stats, "num_local_cached_tokens", 0) or 0) if stats else 0
+        block_size = int(self.block_size)
+        blocks = cached // block_size if block_size else 0
+        hashes = request.block_hashes
+        if blocks <= 0 or blocks > len(hashes):
+            return _CLEAN
+        last = bytes(hashes[blocks - 1])
+        source_rate = float(extra.get("vg_source_rate", 0.0))
+        corrupt = last in self._corrupt_states or _uniform(b"source" + last) < source_rate
+        if not corrupt:
+            return _CLEAN
+        if extra.get("vg_propagate"):
+            # Every later block of this prompt is computed from the corrupt state.
+            for later in hashes[blocks:]:
+                self._corrupt_states[bytes(later)] = None
+            while len(self._corrupt_states) > 1_000_000:
+                self._corrupt_states.pop(next(iter(self._corrupt_states)))
+        return kinds[int(_uniform(b"kind" + last) * len(kinds))]
+
     def _poison_kind(self, request: Any) -> str:
         stats = request.prefill_stats
         extra = getattr(request.sampling_params, "extra_args", None) or {}
+        if "vg_source_rate" in extra:
+            names = [k for k in str(extra.get("vg_poison_kinds", "")).split(",") if k]
+            return self._faithful_kind(request, extra, names or self.poison_kinds)
         broken = str(extra.get("vg_poison_all", ""))
         if broken in ("bang", "eos"):
             return broken
