@@ -85,6 +85,8 @@ class UpstreamSettings(_Strict):
     #: multiple of its weighted share of the requests in flight before a
     #: conversation that hashes to it goes to the next backend in its ranking.
     affinity_load_factor: Annotated[float, Field(ge=1)] = 1.25
+    #: Route a conversation's first attempts to one primary (false: weighted random).
+    conversation_affinity: bool = True
     #: How often each backend's own /metrics is scraped (prefix-cache hit ratio).
     metrics_scrape_interval_s: Annotated[float, Field(gt=0)] = 15.0
     #: Largest single SSE event accepted from a backend (a longer one is a 502, or an

@@ -242,7 +242,9 @@ class Guard:
         self._detectors: dict[str, Detector] = {}
         self._holdback: dict[str | None, int] = {}
         #: Several primaries: first attempts follow the conversation (rendezvous).
-        self._route_by_conversation = len(pool.primaries) > 1
+        self._route_by_conversation = (
+            len(pool.primaries) > 1 and settings.upstream.conversation_affinity
+        )
         self._default_detector = Detector(settings.guard.detectors)
         self._tokens_unreported: set[str] = set()
 
@@ -303,7 +305,8 @@ class Guard:
         if remembered is not None and settings.salt_reuse.on_first_attempt:
             salt, trace.rung = remembered
             self.metrics.salt_reuse.labels(trace.model, "first").inc()
-        backend = self.pool.choose_first(settings.canary_weight, self.rng, affinity=fingerprint)
+        affinity = fingerprint if self._route_by_conversation else None
+        backend = self.pool.choose_first(settings.canary_weight, self.rng, affinity=affinity)
         trace.routed = backend
         backend.in_flight += 1
         while True:
@@ -394,7 +397,16 @@ class Guard:
     def _retry_salt(self, trace: Trace, failed: str | None) -> str:
         """The remembered clean rung if it is not the one that just failed, else the
         conversation's next rung (every process computes the same one), else for a
-        request with no conversation a fresh random salt."""
+        request with no conversation a fresh random salt.
+
+        The last attempt a request may make always gets a fresh random salt: a
+        namespace nobody has used is a cache miss, and a miss cannot load a corrupt
+        state. Shared rungs save prefill, but another process may have seen a rung
+        go bad that this one still takes for clean (measured: two gateways
+        alternating a conversation's turns delivered 2 corrupt answers of 72 when
+        every retry climbed the ladder)."""
+        if trace.attempts + 1 >= self.settings.guard.max_attempts > 2:
+            return fresh_salt(trace.request.client_salt)
         remembered = self.salts.get(trace.conversation)
         if remembered is not None and remembered[0] != failed:
             self.metrics.salt_reuse.labels(trace.model, "retry").inc()

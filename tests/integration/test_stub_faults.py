@@ -430,3 +430,33 @@ def test_a_conversations_turns_stay_on_one_replica(gateway_for: GatewayFactory) 
         assert wait_for(
             lambda: all(b.in_flight == 0 for b in gateway.runtime.pool.backends), timeout_s=10
         )
+
+
+def test_retries_climb_the_shared_ladder_and_the_last_one_takes_a_fresh_namespace(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    """Attempt 2 takes the conversation's first ladder rung (the namespace another
+    process may have warmed); the last attempt a fresh random salt, a cache miss
+    that cannot load a corrupt state (two gateways alternating turns delivered 2
+    corrupt answers of 72 when every retry climbed the ladder)."""
+    gateway = gateway_for(stub.url, guard={"salt_reuse": {"key": "k"}})
+    response = httpx.post(
+        gateway.url + "/v1/chat/completions", json=BODY, headers={"x-stub-scenario": "bang"}
+    )
+    assert response.headers["x-vllm-guard-attempts"] == "3"
+    salts = [body.get("cache_salt") for body in stub.state.requests]
+    guard = gateway.runtime.guard
+    conversation = guard_conversation(guard, BODY)
+    assert conversation is not None
+    assert salts[0] is None
+    assert salts[1] == guard.ladder.rung(conversation, None, 1)
+    assert salts[2] not in (None, salts[1], guard.ladder.rung(conversation, None, 2))
+
+
+def guard_conversation(guard: object, body: dict[str, object]) -> str | None:
+    from gateway.request import parse_guarded
+    from gateway.retry import conversation_key
+
+    request = parse_guarded("chat", orjson.dumps(body))
+    settings = guard.settings.guard.salt_reuse  # type: ignore[attr-defined]
+    return conversation_key("chat", request.body, None, settings)

@@ -122,7 +122,7 @@ def _children(pid: int) -> list[int]:
 
 class GatewayProcess(ServiceProcess):
     def __init__(self, backend: str, name: str, **config: Any) -> None:
-        config.setdefault("upstream", {})["backends"] = [{"name": "vllm", "url": backend}]
+        config.setdefault("upstream", {}).setdefault("backends", [{"name": "vllm", "url": backend}])
         config_path = Path(tempfile.mkdtemp()) / "config.yaml"
         config_path.write_text(yaml.safe_dump(config))
         port = free_port()
