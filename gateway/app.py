@@ -249,13 +249,27 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 
-def key_allowed(scope: Scope, allowed: Sequence[str]) -> bool:
-    """Bearer key from the Authorization header, checked in constant time."""
+_KEY_DIGEST = "vllm_guard.key_digest"
+
+
+def bearer_digest(scope: Scope) -> str | None:
+    """SHA-256 of the Bearer key in the Authorization header (None without one),
+    computed once per request: auth checks it, the retry budget keys clients by it."""
+    if _KEY_DIGEST in scope:
+        digest: str | None = scope[_KEY_DIGEST]
+        return digest
     header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
     scheme, _, key = header.decode("latin-1").partition(" ")
-    if scheme.lower() != "bearer" or not key:
+    digest = hash_key(key.strip()) if scheme.lower() == "bearer" and key else None
+    scope[_KEY_DIGEST] = digest
+    return digest
+
+
+def key_allowed(scope: Scope, allowed: Sequence[str]) -> bool:
+    """Bearer key from the Authorization header, checked in constant time."""
+    digest = bearer_digest(scope)
+    if digest is None:
         return False
-    digest = hash_key(key.strip())
     # Compare against every configured hash, without stopping early.
     return sum(hmac.compare_digest(digest, h) for h in allowed) > 0
 
@@ -265,8 +279,7 @@ def client_identity(request: Request) -> str:
     the gateway checks keys (a verified identity), else the client's address."""
     app = request.app
     if isinstance(app, GatewayApp) and app.client_key_hashes:
-        header = request.headers.get("authorization", "")
-        return "key:" + hash_key(header.partition(" ")[2].strip())[:32]
+        return "key:" + (bearer_digest(request.scope) or "")[:32]
     client = request.scope.get("client")
     return "addr:" + (client[0] if client else "unknown")
 

@@ -267,11 +267,10 @@ class Guard:
         """The hold-back ceiling in visible characters (0: streams are not held)."""
         if self.mode is not GuardMode.ENFORCE:
             return 0
-        ceiling = self._holdback.get(model)
+        configured = model if model in self.settings.models else None  # a bounded set
+        ceiling = self._holdback.get(configured)
         if ceiling is None:
-            ceiling = self.settings.holdback_for(model if model in self.settings.models else None)
-            if model is None or model in self.settings.models:
-                self._holdback[model] = ceiling
+            ceiling = self._holdback[configured] = self.settings.holdback_for(configured)
         return ceiling
 
     # -- the pipeline -------------------------------------------------------------
@@ -447,7 +446,6 @@ class Guard:
         trace: Trace,
     ) -> Attempt:
         body = body_with(request, attempt_overrides(request, salt))
-        self.metrics.upstream_attempts.labels(trace.model, backend.name).inc()
         if trace.attempts > 1:
             # A distinct upstream id per attempt: vLLM may still be aborting the
             # previous one, and its logs then tell the attempts apart.
@@ -455,6 +453,9 @@ class Guard:
             headers["x-request-id"] = f"{headers['x-request-id']}-a{trace.attempts}"
         opened = time.perf_counter()
         response = await backend.open("POST", request.path, headers=headers, body=body)
+        # Answered (a response started): the denominator of the bug's rate. An attempt
+        # that never reached the backend is not one it could corrupt.
+        self.metrics.upstream_attempts.labels(trace.model, backend.name).inc()
         attempt = Attempt(
             backend, salt, response.status, response_headers(response, keep_encoding=False)
         )

@@ -100,8 +100,9 @@ class Metrics:
         )
         self.upstream_attempts = Counter(
             "vllm_guard_upstream_attempts",
-            "Attempts sent to a backend (first attempts, retries and failovers). The bug's "
-            "rate on a backend is degenerate_responses / upstream_attempts.",
+            "Attempts a backend answered (first attempts, retries and failovers; one that "
+            "never reached it is not counted). The bug's rate on a backend is "
+            "degenerate_responses / upstream_attempts.",
             ["model", "backend"],
             registry=r,
         )

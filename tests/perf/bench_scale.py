@@ -24,7 +24,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,26 +31,17 @@ sys.path.insert(0, str(ROOT / "tests" / "perf"))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from bench_gateway import GatewayProcess  # noqa: E402
+from bench_gateway import GatewayProcess, vllm_counter  # noqa: E402
 from support.servers import MODEL_NAME, VLLMServer, ensure_model  # noqa: E402
 from support.workload import is_corrupt, run_workload  # noqa: E402
 
 KEY = "bench-shared-salt-key"
 
 
-def counter(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    )
-
-
 def snapshot(urls: list[str]) -> dict[str, float]:
     names = ("vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total",
              "vllm:prefix_cache_queries_total", "vllm:request_success_total")  # fmt: skip
-    return {n: sum(counter(u, n) for u in urls) for n in names}
+    return {n: sum(vllm_counter(u, n) for u in urls) for n in names}
 
 
 class Alternating:
