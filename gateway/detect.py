@@ -79,6 +79,8 @@ class ChoiceOutput:
     reasoning: str = ""
     tool_arguments: tuple[str, ...] = ()
     finish_reason: str | None = None
+    #: Tokens generated for this choice, when known (usage, or the stream's pieces).
+    tokens: int | None = None
 
 
 class Detector:
@@ -190,6 +192,11 @@ class Detector:
             # Reasoning that ran out of tokens before the answer is a model thinking
             # long, not corruption (unless configured otherwise).
             thinking_cut_short = choice.finish_reason == "length" and choice.reasoning.strip()
+            # One token that is whitespace (or part of a character) at the length
+            # limit is a legitimate max_tokens=1 answer, not an empty one.
+            one_token_cut = choice.finish_reason == "length" and choice.tokens == 1
+            if one_token_cut:
+                return None
             if not thinking_cut_short or s.empty_with_reasoning_on_length:
                 return DegenerateKind.EMPTY
         return None
@@ -206,15 +213,21 @@ class Detector:
         choices = body.get("choices")
         if not isinstance(choices, list):
             return CLEAN
+        usage = body.get("usage")
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        # Usage counts every choice's tokens: it is one choice's only when there is one.
+        known = tokens if isinstance(tokens, int) and len(choices) == 1 else None
         return self.inspect_choices(
-            (_index(c, i), choice_output(c)) for i, c in enumerate(choices) if isinstance(c, dict)
+            (_index(c, i), choice_output(c, tokens=known))
+            for i, c in enumerate(choices)
+            if isinstance(c, dict)
         )
 
     def stream_inspector(self) -> StreamInspector:
         return StreamInspector(self)
 
 
-def choice_output(choice: Mapping[str, Any]) -> ChoiceOutput:
+def choice_output(choice: Mapping[str, Any], tokens: int | None = None) -> ChoiceOutput:
     """Read one choice of a chat or completions body (non-streaming)."""
     message = choice.get("message")
     finish = choice.get("finish_reason")
@@ -225,8 +238,11 @@ def choice_output(choice: Mapping[str, Any]) -> ChoiceOutput:
             reasoning=_text(message.get("reasoning_content")) or _text(message.get("reasoning")),
             tool_arguments=_tool_arguments(message.get("tool_calls")),
             finish_reason=finish_reason,
+            tokens=tokens,
         )
-    return ChoiceOutput(content=_text(choice.get("text")), finish_reason=finish_reason)
+    return ChoiceOutput(
+        content=_text(choice.get("text")), finish_reason=finish_reason, tokens=tokens
+    )
 
 
 def _visible_length(text: str) -> int:
@@ -398,7 +414,7 @@ class _StreamChoice:
         tools = "".join("".join(parts) for _, parts in sorted(self.tool_arguments.items()))
         return ("".join(self.content_parts), "".join(self.reasoning_parts), tools)
 
-    def output(self) -> ChoiceOutput:
+    def output(self, tokens: int | None = None) -> ChoiceOutput:
         return ChoiceOutput(
             content="".join(self.content_parts),
             reasoning="".join(self.reasoning_parts),
@@ -406,6 +422,7 @@ class _StreamChoice:
                 "".join(parts) for _, parts in sorted(self.tool_arguments.items())
             ),
             finish_reason=self.finish_reason,
+            tokens=tokens,
         )
 
 
@@ -417,6 +434,8 @@ class StreamInspector:
         self.choices: dict[int, _StreamChoice] = {}
         #: Visible (non-whitespace) characters of content, reasoning and tool calls.
         self.visible_chars = 0
+        #: From the stream's usage chunk (the gateway always asks for it), when it came.
+        self.completion_tokens: int | None = None
         self.finished = False
 
     def _choice(self, index: int) -> _StreamChoice:
@@ -527,7 +546,13 @@ class StreamInspector:
         healthy = True
         for index, state in self.choices.items():
             if state.finish_reason is not None:  # this choice is complete: judge it whole
-                kind = self.detector.choice_kind(state.output())
+                if not state.tool_arguments and not "".join(state.content_parts).strip():
+                    # Nothing to show: judged at the end of the stream, when the usage
+                    # chunk says how many tokens it took (one whitespace token at the
+                    # length limit is a legitimate max_tokens=1 answer).
+                    healthy = False
+                    continue
+                kind = self.detector.choice_kind(self._output(state))
                 if kind is not None:
                     return Verdict(kind, index)
                 continue
@@ -588,5 +613,9 @@ class StreamInspector:
     def final_verdict(self) -> Verdict:
         """Verdict once the stream has ended (finish reasons known)."""
         return self.detector.inspect_choices(
-            (index, state.output()) for index, state in sorted(self.choices.items())
+            (index, self._output(state)) for index, state in sorted(self.choices.items())
         )
+
+    def _output(self, state: _StreamChoice) -> ChoiceOutput:
+        # Usage counts every choice's tokens: it is one choice's only when there is one.
+        return state.output(self.completion_tokens if len(self.choices) == 1 else None)

@@ -149,7 +149,10 @@ class StreamState:
         if "error" in payload:
             self.upstream_error = True
             return raw
-        if payload.get("usage") is not None:
+        if (raw_usage := payload.get("usage")) is not None:
+            tokens = raw_usage.get("completion_tokens") if isinstance(raw_usage, dict) else None
+            if isinstance(tokens, int):
+                self.inspector.completion_tokens = tokens
             usage = read_usage(payload)
             if usage is not None:
                 self.usage = usage
