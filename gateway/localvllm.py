@@ -134,10 +134,13 @@ class VLLMServer:
             **self.extra_env,
         }
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        if self.fixed:
+        env.pop("VLLM_GUARD_FIX_STATE_DIR", None)  # each server counts its own lookups
+        if self.fixed:  # as the fixed image runs it: refuse to start unless active
             env.pop("VLLM_GUARD_FIX_DISABLE", None)
+            env["VLLM_GUARD_FIX_REQUIRE"] = "1"
         else:
             env["VLLM_GUARD_FIX_DISABLE"] = "1"
+            env.pop("VLLM_GUARD_FIX_REQUIRE", None)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(

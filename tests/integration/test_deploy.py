@@ -185,7 +185,8 @@ def test_dashboard_shape() -> None:
     titles = " | ".join(p["title"] for p in board["panels"])
     for needed in ("the bug's rate", "Requests affected", "delivered", "Recovered",
                    "retries refused", "hit rate", "corrupted vs. clean", "Attempts", "latency",
-                   "overhead", "first token", "Backend up"):  # fmt: skip
+                   "overhead", "first token", "Backend up", "vllm-guard-fix per backend",
+                   "lookups lowered"):  # fmt: skip
         assert needed in titles, needed
 
 
@@ -197,7 +198,8 @@ def test_every_dashboard_panel_returns_data(vllm: RunningVLLM, gateway_for: Gate
         upstream={"metrics_scrape_interval_s": 1.0},
     )
     vllm_target = vllm.url.removeprefix("http://")
-    with PrometheusServer({"vllm-guard": f"127.0.0.1:{gateway.port}", "vllm": vllm_target}) as prom:
+    targets = {"vllm-guard": f"127.0.0.1:{gateway.port}", "vllm": vllm_target}
+    with PrometheusServer(targets, labels={"vllm": {"backend": "vllm0"}}) as prom:
         prom.wait_for_scrape_after(time.time(), "vllm-guard")  # scraping before traffic starts
         client = openai_client(gateway.url)
         seed = int(time.time()) % 100_000

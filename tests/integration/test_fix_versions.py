@@ -28,9 +28,7 @@ pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "deploy/vllm-fixed"
-SOURCES = Path(
-    os.environ.get("VLLM_GUARD_VLLM_SRC", Path.home() / ".cache/vllm-guard/vllm-src")
-)
+SOURCES = Path(os.environ.get("VLLM_GUARD_VLLM_SRC", Path.home() / ".cache/vllm-guard/vllm-src"))
 VERSIONS = ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 INSTALLED = "0.32.0"
 

@@ -3,7 +3,6 @@ gateway routing between a poisoned stock backend and a fixed one."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import threading
 import time
@@ -22,36 +21,6 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_plugin_on_vllms_real_prefix_cache_managers() -> None:
-    result = subprocess.run(
-        [str(vllm_python()), str(ROOT / "tests/support/check_vllm_fix.py")],
-        capture_output=True, text=True, check=True, timeout=300,
-        env={"PYTHONPATH": str(ROOT / "deploy/vllm-fixed"), "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    block = report["block_size"]
-    cached = report["cached_blocks"] * block
-    before, after = report["before"], report["after"]
-    # The defect: full attention drops the last matched block under spec decoding,
-    # Mamba does not.
-    assert before["full_spec_on"] == cached - block
-    assert before["mamba_spec_on"] == cached
-    assert report["applied"] is True
-    # The fix: the Mamba hit stops one block earlier, like full attention...
-    assert after["mamba_spec_on"] == cached - block == after["full_spec_on"]
-    # ...and every other case is unchanged.
-    assert after["mamba_spec_off"] == before["mamba_spec_off"] == cached
-    assert after["full_spec_off"] == before["full_spec_off"] == cached
-    assert report["second_apply"] is False  # idempotent
-    # Where upstream already honours drop_eagle_block it does nothing...
-    assert report["on_fixed_upstream"] == {
-        "apply": False, "refused": False,
-        "reason": "this vLLM's MambaManager already honours drop_eagle_block",
-    }  # fmt: skip
-    # ...and where the code it expects is not there it refuses instead of patching blind.
-    assert report["on_renamed"]["refused"] is True
-
-
 @pytest.fixture(scope="module")
 def fixed_vllm(tiny_model_dir: Path) -> Iterator[VLLMServer]:
     server = VLLMServer(tiny_model_dir, ARTIFACTS / "vllm-fixed.log", fixed=True)
@@ -63,30 +32,89 @@ def fixed_vllm(tiny_model_dir: Path) -> Iterator[VLLMServer]:
         server.stop()
 
 
-def test_plugin_loads_in_a_real_server_and_serves(fixed_vllm: VLLMServer) -> None:
+def _fix_series(url: str) -> dict[str, float]:
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(url + "/metrics").text.splitlines()
+        if line.startswith("vllm_guard_fix_")
+    }
+
+
+def test_plugin_is_active_in_a_real_server_and_says_so(fixed_vllm: VLLMServer) -> None:
     log = fixed_vllm.log_text()
-    assert "vllm-guard-fix: applied to vLLM 0.32.0" in log
+    assert "vllm-guard-fix: ACTIVE on vLLM 0.32.0" in log
+    assert "coordinator code of vLLM 0.32" in log
     answer = openai_client(fixed_vllm.url).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "open the menu"}], max_tokens=8
     )
     assert answer.choices[0].message.content
+    series = _fix_series(fixed_vllm.url)
+    info = 'vllm_guard_fix_info{coordinator="0.32",status="active",vllm_version="0.32.0"}'
+    assert series[info] == 1.0
+    # The tiny model has no Mamba layer and no speculative decoding: the fix has
+    # nothing to lower, and the counters say exactly that.
+    lookups = {k: v for k, v in series.items() if "mamba_lookups_total" in k}
+    assert len(lookups) == 4
+    assert set(lookups.values()) == {0.0}
+    assert series["vllm_guard_fix_tokens_recomputed_total"] == 0.0
 
 
-def test_plugin_can_be_disabled_by_environment() -> None:
-    code = (
-        "import vllm_guard_fix\n"
-        "from vllm.v1.core.single_type_kv_cache_manager import MambaManager\n"
-        "vllm_guard_fix.register()\n"
-        "print(vllm_guard_fix.decide(MambaManager).apply)\n"
-    )
-    result = subprocess.run(
-        [str(vllm_python()), "-c", code], capture_output=True, text=True, check=True,
-        timeout=300,
-        env={"PYTHONPATH": str(ROOT / "deploy/vllm-fixed"), "PATH": "/usr/bin:/bin",
-             "VLLM_GUARD_FIX_DISABLE": "1"},
+def test_a_stock_server_says_the_fix_is_not_active(vllm: RunningVLLM) -> None:
+    info = [k for k in _fix_series(vllm.url) if k.startswith("vllm_guard_fix_info")]
+    disabled = 'coordinator="none",status="disabled",vllm_version="0.32.0"'
+    assert info == ["vllm_guard_fix_info{" + disabled + "}"]
+
+
+def _register(env: dict[str, str], before: str = "") -> subprocess.CompletedProcess[str]:
+    code = before + "import vllm_guard_fix\nvllm_guard_fix.register()\nprint('served')\n"
+    return subprocess.run(
+        [str(vllm_python()), "-c", code], capture_output=True, text=True, timeout=300,
+        cwd="/tmp",
+        env={"PYTHONPATH": str(ROOT / "deploy/vllm-fixed"), "PATH": "/usr/bin:/bin", **env},
     )  # fmt: skip
-    assert result.stdout.strip().splitlines()[-1] == "True"  # still unpatched
-    assert "disabled by VLLM_GUARD_FIX_DISABLE" in result.stdout + result.stderr
+
+
+def test_disabled_plugin_leaves_vllm_stock_and_says_so() -> None:
+    result = _register({"VLLM_GUARD_FIX_DISABLE": "1"})
+    assert result.returncode == 0
+    assert "served" in result.stdout
+    assert "NOT ACTIVE on vLLM 0.32.0: disabled by VLLM_GUARD_FIX_DISABLE" in result.stderr
+
+
+# vLLM code the plugin was not proven on: the finder edited the way an upstream fix
+# would edit it (its source no longer matches any known release), from a module file
+# so that its source can be read like vLLM's.
+EDITED_MODULE = (
+    "from vllm.v1.core.single_type_kv_cache_manager import MambaManager\n"
+    "stock = MambaManager.find_longest_cache_hit.__func__\n"
+    "def find_longest_cache_hit(cls, *args, drop_eagle_block=False, **kwargs):\n"
+    "    return stock(cls, *args, drop_eagle_block=drop_eagle_block, **kwargs)\n"
+    "MambaManager.find_longest_cache_hit = classmethod(find_longest_cache_hit)\n"
+)
+EDITED_FINDER = (
+    "import pathlib, sys, tempfile\n"
+    "directory = tempfile.mkdtemp()\n"
+    f"pathlib.Path(directory, 'edited_vllm.py').write_text({EDITED_MODULE!r})\n"
+    "sys.path.insert(0, directory)\n"
+    "import edited_vllm\n"
+)
+
+
+def test_unknown_vllm_code_is_refused_and_the_fixed_server_does_not_start() -> None:
+    refused = _register({"VLLM_GUARD_FIX_REQUIRE": "1"}, before=EDITED_FINDER)
+    assert refused.returncode != 0
+    assert "served" not in refused.stdout
+    assert "REFUSED on vLLM 0.32.0: MambaManager.find_longest_cache_hit is not" in (refused.stderr)
+    assert "RuntimeError: vllm-guard-fix is required" in refused.stderr
+    # The operator may still serve it, as stock, by leaving the requirement off.
+    allowed = _register({}, before=EDITED_FINDER)
+    assert allowed.returncode == 0
+    assert "served" in allowed.stdout
+    assert "REFUSED" in allowed.stderr
+    # A required but disabled fix does not start either.
+    both = _register({"VLLM_GUARD_FIX_REQUIRE": "1", "VLLM_GUARD_FIX_DISABLE": "1"})
+    assert both.returncode != 0
+    assert "served" not in both.stdout
 
 
 def _requests_by_backend(url: str) -> dict[str, float]:

@@ -68,9 +68,13 @@ def _specs(mamba_block: int, method: str) -> dict[str, Any]:
     specs = {
         "model.layers.0.attn": _make(FullAttentionSpec, **attention),
         "model.layers.1.linear_attn": _make(
-            MambaSpec, block_size=mamba_block, shapes=((1, 4),), dtypes=(torch.float32,),
-            mamba_cache_mode="align", num_speculative_blocks=1 if method != "none" else 0,
-        ),  # fmt: skip
+            MambaSpec,
+            block_size=mamba_block,
+            shapes=((1, 4),),
+            dtypes=(torch.float32,),
+            mamba_cache_mode="align",
+            num_speculative_blocks=1 if method != "none" else 0,
+        ),
     }
     if method != "none":  # the drafter's attention layer registers after the target's
         drafter = _make(FullAttentionSpec, **attention)
@@ -169,9 +173,7 @@ def _fill(coordinator: Any, hashes: list[bytes], attention_tokens: int,
         else:
             positions = tuple(range(unit, attention_tokens + 1, unit))
         for tokens in positions:
-            key = kv_cache_utils.make_block_hash_with_group_id(
-                view[tokens // unit - 1], group_id
-            )
+            key = kv_cache_utils.make_block_hash_with_group_id(view[tokens // unit - 1], group_id)
             pool.cached_block_hash_to_block.insert(key, next(next_block))
 
 
@@ -198,11 +200,10 @@ def _reference_finder() -> Any:
     assert source.count(anchor) == 1, "finder changed: the reference needs a new anchor"
     patched = source.replace(
         anchor,
-        anchor + "    if drop_eagle_block and max_num_blocks > 0:\n"
-        "        max_num_blocks -= 1\n",
+        anchor + "    if drop_eagle_block and max_num_blocks > 0:\n        max_num_blocks -= 1\n",
     )
     namespace = dict(vars(managers))
-    exec(compile(patched, "<upstream #48375>", "exec"), namespace)  # noqa: S102
+    exec(compile(patched, "<upstream #48375>", "exec"), namespace)
     return classmethod(namespace["find_longest_cache_hit"])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import tempfile
@@ -14,16 +15,24 @@ from support.servers import free_port, wait_http
 
 
 class PrometheusServer:
-    def __init__(self, targets: dict[str, str], scrape_interval: str = "1s") -> None:
-        """``targets``: job name -> host:port."""
+    def __init__(
+        self,
+        targets: dict[str, str],
+        scrape_interval: str = "1s",
+        labels: dict[str, dict[str, str]] | None = None,
+    ) -> None:
+        """``targets``: job name -> host:port; ``labels``: job name -> target labels
+        (as deploy/prometheus/prometheus.yml labels each vLLM with its backend name)."""
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError("prometheus is not installed (make prometheus)")
         self.binary = binary
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="vllm-guard-prom-"))
+        target_labels = labels or {}
         jobs = "\n".join(
             f"  - job_name: {job}\n    static_configs:\n      - targets: ['{target}']"
+            + (f"\n        labels: {json.dumps(target_labels[job])}" * (job in target_labels))
             for job, target in targets.items()
         )
         (self.dir / "prometheus.yml").write_text(
