@@ -225,3 +225,44 @@ def test_killing_a_backend_mid_run_loses_no_request(
     assert sum(by_backend.values()) == 120
     ready = httpx.get(gateway.url + "/readyz").json()
     assert ready["backends"] == {"a": True, "b": False}
+
+
+# The lookups run in vLLM's engine-core process, /metrics is served by the API-server
+# process: a parent that registers first (as vLLM's API server does) and a child it
+# spawns afterwards (as vLLM spawns the engine core), each with vLLM's real modules.
+CROSS_PROCESS = """
+import multiprocessing, sys
+import vllm_guard_fix
+from vllm_guard_fix import evidence
+
+def engine_core():
+    vllm_guard_fix.register()
+    evidence.LOOKUPS.record("block", 64)
+    evidence.LOOKUPS.record("block", 0)
+    evidence.LOOKUPS.record("hash_unit", 0)
+    evidence._flush(evidence._state_dir())
+
+if __name__ == "__main__":
+    vllm_guard_fix.register()
+    child = multiprocessing.get_context("spawn").Process(target=engine_core)
+    child.start(); child.join()
+    from prometheus_client import generate_latest
+    print(generate_latest().decode())
+"""
+
+
+def test_lookups_counted_in_the_engine_core_reach_the_api_servers_metrics(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "two_processes.py"
+    script.write_text(CROSS_PROCESS)
+    result = subprocess.run(
+        [str(vllm_python()), str(script)], capture_output=True, text=True, timeout=300,
+        cwd="/tmp", env={"PYTHONPATH": str(ROOT / "deploy/vllm-fixed"), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = set(result.stdout.splitlines())
+    assert 'vllm_guard_fix_mamba_lookups_total{outcome="lowered",path="block"} 1.0' in lines
+    assert 'vllm_guard_fix_mamba_lookups_total{outcome="unchanged",path="block"} 1.0' in lines
+    assert 'vllm_guard_fix_mamba_lookups_total{outcome="unchanged",path="hash_unit"} 1.0' in lines
+    assert "vllm_guard_fix_tokens_recomputed_total 64.0" in lines

@@ -26,6 +26,7 @@ import atexit
 import json
 import logging
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -99,6 +100,7 @@ def _state_dir() -> Path:
     if not path:
         path = tempfile.mkdtemp(prefix="vllm-guard-fix-")
         os.environ[STATE_DIR_ENV] = path  # inherited by the processes vLLM spawns
+        atexit.register(shutil.rmtree, path, ignore_errors=True)  # the creator cleans up
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     return directory
@@ -109,6 +111,14 @@ def _flush(directory: Path) -> None:
     temporary = target.with_suffix(".tmp")
     temporary.write_text(json.dumps(LOOKUPS.snapshot()))
     temporary.replace(target)
+
+
+def _final_flush(directory: Path) -> None:
+    if LOOKUPS._dirty:
+        try:
+            _flush(directory)
+        except OSError:  # the directory's creator may have exited first
+            pass
 
 
 def _flusher(directory: Path) -> None:
@@ -193,7 +203,7 @@ def start(status: str, version: str, coordinator: str) -> None:
         threading.Thread(
             target=_flusher, args=(directory,), name="vllm-guard-fix", daemon=True
         ).start()
-        atexit.register(lambda: _flush(directory) if LOOKUPS._dirty else None)
+        atexit.register(_final_flush, directory)
     try:
         from prometheus_client import REGISTRY
 
