@@ -32,7 +32,7 @@ class PrometheusServer:
         target_labels = labels or {}
         jobs = "\n".join(
             f"  - job_name: {job}\n    static_configs:\n      - targets: ['{target}']"
-            + (f"\n        labels: {json.dumps(target_labels[job])}" * (job in target_labels))
+            + (f"\n        labels: {json.dumps(target_labels.get(job))}" * (job in target_labels))
             for job, target in targets.items()
         )
         (self.dir / "prometheus.yml").write_text(
