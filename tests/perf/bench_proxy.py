@@ -102,6 +102,55 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 """
 
 
+#: The floor for a proxy on the gateway's own server stack: uvicorn (httptools,
+#: uvloop) + a bare ASGI callable + aiohttp client, events relayed as they arrive,
+#: no disconnect watcher, nothing inspected. The gap between this and AIOHTTP_PROXY
+#: is the server stack's; the gap between the gateway and this is the gateway's.
+ASGI_PROXY = r"""
+import sys, aiohttp, uvicorn
+UPSTREAM = sys.argv[2]
+HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"host"}
+session = None
+async def app(scope, receive, send):
+    global session
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                session = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=512), auto_decompress=False)
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await session.close()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    headers = [(k.decode(), v.decode()) for k, v in scope["headers"] if k not in HOP]
+    path = scope["path"] + ("?" + scope["query_string"].decode() if scope["query_string"] else "")
+    async with session.request(scope["method"], UPSTREAM + path, data=body,
+                               headers=headers) as upstream:
+        out = [(k.encode(), v.encode()) for k, v in upstream.headers.items()
+               if k.lower().encode() not in HOP]
+        await send({"type": "http.response.start", "status": upstream.status, "headers": out})
+        async for chunk in upstream.content.iter_any():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
+            access_log=False, http="httptools", loop="uvloop")
+"""
+
+
+def asgi_peer(stub_url: str) -> ServiceProcess:
+    port = free_port()
+    command = [sys.executable, "-c", ASGI_PROXY, str(port), stub_url]
+    return ServiceProcess("peer-asgi", command, port, "/health")
+
+
 def aiohttp_peer(stub_url: str) -> ServiceProcess:
     port = free_port()
     command = [sys.executable, "-c", AIOHTTP_PROXY, str(port), stub_url]
@@ -207,7 +256,8 @@ async def load(
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--peers", default="aiohttp,nginx,litellm", help="comma list; '' for none")
+    peers_help = "comma list; '' for none"
+    parser.add_argument("--peers", default="aiohttp,asgi,nginx,litellm", help=peers_help)
     parser.add_argument("--only", default="", help="scenario names containing this text")
     args = parser.parse_args()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -232,6 +282,8 @@ def main() -> None:
             peers = [p for p in args.peers.split(",") if p]
             if "aiohttp" in peers:
                 proxies.append(("aiohttp", stack.enter_context(aiohttp_peer(stub_url))))
+            if "asgi" in peers:
+                proxies.append(("asgi", stack.enter_context(asgi_peer(stub_url))))
             if "nginx" in peers:
                 proxies.append(("nginx", stack.enter_context(nginx_peer(port))))
             if "litellm" in peers:
