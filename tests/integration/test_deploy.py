@@ -60,6 +60,14 @@ def test_hadolint_passes() -> None:
     run(str(BIN / "hadolint"), "Dockerfile", "deploy/vllm-fixed/Dockerfile")
 
 
+def test_the_fixed_image_fails_closed() -> None:
+    """The fixed image must not serve as "fixed" when the plugin refused to patch."""
+    dockerfile = (DEPLOY / "vllm-fixed" / "Dockerfile").read_text()
+    env = [line.split()[1] for line in dockerfile.splitlines() if line.startswith("ENV ")]
+    assert "VLLM_GUARD_FIX_REQUIRE=1" in env
+    assert not any(e.startswith("VLLM_GUARD_FIX_DISABLE") for e in env)
+
+
 def kustomize(directory: Path) -> list[dict[str, Any]]:
     """``kubectl kustomize``: the objects a user's ``kubectl apply -k`` would create."""
     return [d for d in yaml.safe_load_all(run("kubectl", "kustomize", str(directory))) if d]
