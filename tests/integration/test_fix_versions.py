@@ -60,6 +60,17 @@ EXPECTED = {
     "hash_unit_loop_contiguous": (176, 176),
     "nothing_cached_for_mamba": (0, 0),
 }
+# The same for the Mamba group in the per-group lookup (the KV-connector path), where
+# each group is searched up to the prompt's own ceiling.
+EXPECTED_PER_GROUP = {
+    "contiguous": (96, 80),
+    "sparse": (64, 64),
+    "ceiling_not_block_multiple": (80, 64),
+    "block_ne_hash_unit": (192, 128),
+    "hash_unit_loop_sparse": (176, 176),
+    "hash_unit_loop_contiguous": (192, 192),
+    "nothing_cached_for_mamba": (0, 0),
+}
 
 
 @cache
@@ -104,16 +115,19 @@ def test_plugin_does_what_upstream_48375_does(version: str, method: str) -> None
     report = proof(version)
     for case, (stock_hit, dropped_hit) in EXPECTED.items():
         assert report["stock"][method][case]["hit"] == stock_hit, case
-        assert report["reference"][method][case] == dropped_hit, case
+        assert report["reference"][method][case]["hit"] == dropped_hit, case
         assert report["plugin"][method][case]["hit"] == dropped_hit, case
         # the drop request reaches the Mamba lookup whatever this version annotates
         assert report["plugin"][method][case]["mamba_asked_to_drop"] is True
         lowered = report["plugin"][method][case]["counted"]
         assert bool(lowered.get("block/lowered")) == (dropped_hit < stock_hit), case
     assert report["stock"][method]["hash_unit_loop_sparse"]["partial_hash_hits"] is True
-    assert report["plugin"][method]["hash_unit_loop_sparse"]["counted"] == {
-        "hash_unit/unchanged": 1
-    }
+    counted = report["plugin"][method]["hash_unit_loop_sparse"]["counted"]
+    assert set(counted) == {"hash_unit/unchanged"}
+    for case, (stock_hit, dropped_hit) in EXPECTED_PER_GROUP.items():
+        assert report["stock"][method][case]["mamba_per_group_hit"] == stock_hit, case
+        assert report["reference"][method][case]["mamba_per_group_hit"] == dropped_hit, case
+        assert report["plugin"][method][case]["mamba_per_group_hit"] == dropped_hit, case
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -129,4 +143,6 @@ def test_without_speculative_decoding_nothing_changes(version: str) -> None:
     for case, stock in report["stock"]["none"].items():
         assert stock["mamba_asked_to_drop"] is False
         assert report["plugin"]["none"][case]["hit"] == stock["hit"], case
+        plugin_per_group = report["plugin"]["none"][case]["mamba_per_group_hit"]
+        assert plugin_per_group == stock["mamba_per_group_hit"], case
         assert report["plugin"]["none"][case]["counted"] == {}, case

@@ -185,10 +185,14 @@ def _hit(method: str, case: str, flag_mamba: bool = False) -> dict[str, Any]:
     hashes = [f"block-{i}".encode() for i in range(prompt // HASH_UNIT)]
     _fill(coordinator, hashes, attention_tokens, states)
     _, hit, *_ = coordinator.find_longest_cache_hit(hashes, prompt - 1)
+    # The per-group lookup (KV-connector / disaggregated-prefill path) reads the same
+    # per-spec bit: each group on its own, the Mamba group is group 1.
+    _, per_group = coordinator.find_longest_cache_hit_per_group(hashes, prompt - 1)
     mamba_drop = any(
         g.use_eagle for g in coordinator.attention_groups if isinstance(g.spec, MambaSpec)
     )
-    return {"hit": int(hit), "mamba_asked_to_drop": mamba_drop, "annotation": rule,
+    return {"hit": int(hit), "mamba_per_group_hit": int(per_group[1]),
+            "mamba_asked_to_drop": mamba_drop, "annotation": rule,
             "partial_hash_hits": bool(coordinator.enable_partial_hash_hits)}  # fmt: skip
 
 
@@ -213,7 +217,7 @@ def main() -> None:
 
     original = inspect.getattr_static(managers.MambaManager, "find_longest_cache_hit")
     managers.MambaManager.find_longest_cache_hit = _reference_finder()
-    reference = {m: {c: _hit(m, c, flag_mamba=True)["hit"] for c in CASES} for m in methods}
+    reference = {m: {c: _hit(m, c, flag_mamba=True) for c in CASES} for m in methods}
     managers.MambaManager.find_longest_cache_hit = original
 
     import vllm_guard_fix
