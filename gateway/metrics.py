@@ -235,6 +235,14 @@ class Metrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+        self.backend_fix_info = Gauge(
+            "vllm_guard_backend_fix_info",
+            "The backend's vllm-guard-fix status from its own /metrics (1 for the current "
+            "one): active, refused, disabled, or absent (no plugin); role as configured.",
+            ["backend", "role", "status"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
         self.in_flight = Gauge(
             "vllm_guard_requests_in_flight",
             "Guarded requests being worked on or streamed right now (a scaling signal).",

@@ -1,9 +1,12 @@
 """Periodic scrape of each backend's own ``/metrics``, ``/version`` and ``/v1/models``.
 
 Exports ``vllm_guard_backend_up``, ``vllm_guard_backend_prefix_cache_hit_ratio``
-(from the deltas of vLLM's prefix-cache counters between two scrapes) and
-``vllm_guard_backend_info{version}``, and teaches the metrics which model names
-are real (the bounded label set).
+(from the deltas of vLLM's prefix-cache counters between two scrapes),
+``vllm_guard_backend_info{version}`` and ``vllm_guard_backend_fix_info{status}``
+(what the backend's vllm-guard-fix plugin says of itself: ``active``, ``refused``,
+``disabled``, or ``absent`` without the plugin), and teaches the metrics which
+model names are real (the bounded label set). A ``role: fixed`` backend whose fix
+is not active is logged: retries sent there are not fixed, whatever its role says.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
-from gateway.config import UpstreamSettings
+from gateway.config import BackendRole, UpstreamSettings
 from gateway.metrics import Metrics
 from gateway.periodic import Periodic
 from gateway.upstream import Backend, BackendPool
@@ -27,6 +30,21 @@ log = logging.getLogger(__name__)
 _SAMPLE = re.compile(
     rb"^vllm:prefix_cache_(queries|hits)_total(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.MULTILINE
 )
+
+
+_FIX_INFO = re.compile(
+    rb'^vllm_guard_fix_info\{[^}]*status="([a-z_]{1,32})"[^}]*\}\s+1', re.MULTILINE
+)
+FIX_STATUSES = ("active", "refused", "disabled", "absent")
+
+
+def parse_fix_status(text: bytes) -> str:
+    """The backend's vllm-guard-fix status from its ``/metrics`` (``absent``: none)."""
+    match = _FIX_INFO.search(text)
+    if match is None:
+        return "absent"
+    status = match.group(1).decode()
+    return status if status in FIX_STATUSES else "refused"
 
 
 @dataclass(slots=True)
@@ -64,6 +82,7 @@ class BackendScraper:
         self.settings = settings
         self._last: dict[str, PrefixCacheCounters] = {}
         self._versions: dict[str, str] = {}
+        self._fix_status: dict[str, str] = {}
         self._periodic = Periodic(
             settings.metrics_scrape_interval_s, self.scrape_once, "backend scrape"
         )
@@ -88,8 +107,28 @@ class BackendScraper:
                 self._last[backend.name] = counters
                 if ratio is not None:
                     self.metrics.backend_hit_ratio.labels(backend.name).set(ratio)
+            self._record_fix_status(backend, parse_fix_status(text))
         if backend.name not in self._versions:
             await self._learn_identity(backend)
+
+    def _record_fix_status(self, backend: Backend, status: str) -> None:
+        previous = self._fix_status.get(backend.name)
+        if status == previous:
+            return
+        self._fix_status[backend.name] = status
+        for other in FIX_STATUSES:  # one status per backend at a time
+            self.metrics.backend_fix_info.labels(backend.name, backend.settings.role, other).set(
+                1 if other == status else 0
+            )
+        if backend.settings.role is BackendRole.FIXED and status != "active":
+            log.warning(
+                "backend %s has role fixed but its vLLM reports vllm-guard-fix %s: "
+                "requests sent there are not fixed (README, 'The fixed backend')",
+                backend.name, status,
+            )  # fmt: skip
+
+    def fix_status_of(self, backend: str) -> str | None:
+        return self._fix_status.get(backend)
 
     async def _learn_identity(self, backend: Backend) -> None:
         version_body = await self._get(backend, "/version")

@@ -22,3 +22,15 @@ def test_remembered_children_are_the_exported_ones() -> None:
     assert 'c_total{model="m",verdict="recovered"} 3.0' in text
     assert 'h_bucket{le="1.0",model="m"} 1.0' in text
     assert 'h_count{model="m"} 2.0' in text
+
+
+def test_fix_status_is_read_from_a_backends_metrics() -> None:
+    from gateway.scrape import parse_fix_status
+
+    line = b'vllm_guard_fix_info{coordinator="0.32",status="active",vllm_version="0.32.0"} 1.0\n'
+    assert parse_fix_status(b"# HELP x\nvllm:num_requests_running 0.0\n" + line) == "active"
+    assert parse_fix_status(line.replace(b"active", b"refused")) == "refused"
+    assert parse_fix_status(b"vllm:num_requests_running 0.0\n") == "absent"
+    # a status this gateway does not know is not taken for a working fix
+    assert parse_fix_status(line.replace(b"active", b"maybe")) == "refused"
+    assert parse_fix_status(line.replace(b"} 1.0", b"} 0.0")) == "absent"
