@@ -288,3 +288,51 @@ def test_lookups_counted_in_the_engine_core_reach_the_api_servers_metrics(
     assert 'vllm_guard_fix_mamba_lookups_total{outcome="unchanged",path="block"} 1.0' in lines
     assert 'vllm_guard_fix_mamba_lookups_total{outcome="unchanged",path="hash_unit"} 1.0' in lines
     assert "vllm_guard_fix_tokens_recomputed_total 64.0" in lines
+
+
+def test_with_several_api_servers_the_series_come_from_multiprocess_files(
+    tmp_path: Path,
+) -> None:
+    """``--api-server-count > 1``: vLLM sets PROMETHEUS_MULTIPROC_DIR before spawning
+    its processes and serves /metrics from vLLM's own multiprocess registry."""
+    script = tmp_path / "multiprocess.py"
+    script.write_text(
+        CROSS_PROCESS.replace(
+            "    from prometheus_client import generate_latest\n"
+            "    print(generate_latest().decode())\n",
+            "    from prometheus_client import generate_latest\n"
+            "    from vllm.v1.metrics.prometheus import get_prometheus_registry\n"
+            "    print(generate_latest(get_prometheus_registry()).decode())\n",
+        )
+    )
+    multiproc = tmp_path / "prometheus"
+    multiproc.mkdir()
+    result = subprocess.run(
+        [str(vllm_python()), str(script)], capture_output=True, text=True, timeout=300,
+        cwd="/tmp",
+        env={"PYTHONPATH": str(ROOT / "deploy/vllm-fixed"), "PATH": "/usr/bin:/bin",
+             "PROMETHEUS_MULTIPROC_DIR": str(multiproc)},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = set(result.stdout.splitlines())
+    info = 'vllm_guard_fix_info{coordinator="0.32",status="active",vllm_version="0.32.0"} 1.0'
+    assert info in lines
+    assert 'vllm_guard_fix_mamba_lookups_total{outcome="lowered",path="block"} 1.0' in lines
+    assert 'vllm_guard_fix_mamba_lookups_total{outcome="unchanged",path="hash_unit"} 1.0' in lines
+    assert "vllm_guard_fix_tokens_recomputed_total 64.0" in lines
+
+
+def test_a_real_server_with_two_api_servers_reports_the_fix(tiny_model_dir: Path) -> None:
+    server = VLLMServer(
+        tiny_model_dir, ARTIFACTS / "vllm-fixed-2api.log", fixed=True,
+        extra_args=["--api-server-count", "2"],
+    )  # fmt: skip
+    server.start()
+    try:
+        server.wait_ready()
+        series = _fix_series(server.url)
+    finally:
+        server.stop()
+    info = 'vllm_guard_fix_info{coordinator="0.32",status="active",vllm_version="0.32.0"}'
+    assert series[info] == 1.0
+    assert series['vllm_guard_fix_mamba_lookups_total{outcome="lowered",path="block"}'] == 0.0

@@ -15,9 +15,11 @@ sums those files. Series (on vLLM's ``/metrics``):
 * ``vllm_guard_fix_tokens_recomputed_total``: tokens those lowered hits gave up,
   the fix's cost in prefill.
 
-With ``--api-server-count > 1`` vLLM serves ``/metrics`` from
-prometheus_client's multiprocess files instead of this registry; the log lines
-remain.
+With ``--api-server-count > 1`` vLLM serves ``/metrics`` from prometheus_client's
+multiprocess files (``PROMETHEUS_MULTIPROC_DIR``, set before it spawns the API
+servers and the engine core) instead of the default registry. There the same
+series are plain prometheus_client metrics, which write those files
+(``MultiprocessSeries``).
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ class LookupCounts:
         self.lookups[key] = self.lookups.get(key, 0) + 1
         self.tokens_recomputed += max(0, tokens_given_up)
         self._dirty = True
+        if MULTIPROCESS is not None:
+            MULTIPROCESS.record(path, outcome, tokens_given_up)
 
     def lowered(self) -> int:
         return sum(n for (_, outcome), n in self.lookups.items() if outcome == "lowered")
@@ -90,7 +94,44 @@ class LookupCounts:
         }
 
 
+class MultiprocessSeries:
+    """The series as prometheus_client metrics, for vLLM's multiprocess ``/metrics``."""
+
+    def __init__(self, status: str, version: str, coordinator: str) -> None:
+        from prometheus_client import Counter, Gauge
+
+        info = Gauge(
+            "vllm_guard_fix_info",
+            "vllm-guard-fix in this server: status active, refused or disabled.",
+            ["status", "vllm_version", "coordinator"],
+            registry=None,
+            multiprocess_mode="max",
+        )
+        info.labels(status, version, coordinator).set(1)
+        self.lookups = Counter(
+            "vllm_guard_fix_mamba_lookups",
+            "Mamba prefix-cache lookups asked to drop the speculative block, by search "
+            "loop and by whether the fix lowered the hit.",
+            ["path", "outcome"],
+            registry=None,
+        )
+        for path in ("block", "hash_unit"):
+            for outcome in ("lowered", "unchanged"):
+                self.lookups.labels(path, outcome)
+        self.tokens = Counter(
+            "vllm_guard_fix_tokens_recomputed",
+            "Prompt tokens recomputed because the fix lowered a Mamba hit.",
+            registry=None,
+        )
+
+    def record(self, path: str, outcome: str, tokens_given_up: int) -> None:
+        self.lookups.labels(path, outcome).inc()
+        if tokens_given_up > 0:
+            self.tokens.inc(tokens_given_up)
+
+
 LOOKUPS = LookupCounts()
+MULTIPROCESS: MultiprocessSeries | None = None
 _STATUS: dict[str, str] = {}
 _started = False
 
@@ -193,11 +234,16 @@ class FixCollector:
 
 def start(status: str, version: str, coordinator: str) -> None:
     """Record the decision, start flushing, expose the series (once per process)."""
-    global _started
+    global _started, MULTIPROCESS
     _STATUS.update(status=status, vllm_version=version, coordinator=coordinator or "none")
     if _started:
         return
     _started = True
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        try:
+            MULTIPROCESS = MultiprocessSeries(status, version, coordinator or "none")
+        except Exception:  # pragma: no cover - the log still says it
+            logger().warning("vllm-guard-fix: no multiprocess series", exc_info=True)
     directory = _state_dir()
     if status == "active":
         threading.Thread(
