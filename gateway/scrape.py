@@ -127,9 +127,6 @@ class BackendScraper:
                 backend.name, status,
             )  # fmt: skip
 
-    def fix_status_of(self, backend: str) -> str | None:
-        return self._fix_status.get(backend)
-
     async def _learn_identity(self, backend: Backend) -> None:
         version_body = await self._get(backend, "/version")
         models_body = await self._get(backend, "/v1/models")

@@ -154,7 +154,6 @@ def mamba_groups_request_the_drop(original: Any, mamba_spec: type) -> Any:
             for index, group in enumerate(self.attention_groups):
                 if isinstance(group.spec, mamba_spec) and not group.use_eagle:
                     self.attention_groups[index] = group._replace(use_eagle=True)
-                    evidence.LOOKUPS.coordinator_groups_flagged += 1
         return result
 
     setattr(verify_and_split_kv_cache_groups, _PATCHED_MARKER, True)

@@ -25,6 +25,7 @@ series are plain prometheus_client metrics, which write those files
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -66,13 +67,32 @@ def vllm_version() -> str:
         return "unknown"
 
 
+# The series, named and described once for both ways they are exposed.
+INFO_SERIES = (
+    "vllm_guard_fix_info",
+    "vllm-guard-fix in this server: status active, refused or disabled.",
+    ["status", "vllm_version", "coordinator"],
+)
+LOOKUP_SERIES = (
+    "vllm_guard_fix_mamba_lookups",
+    "Mamba prefix-cache lookups asked to drop the speculative block, by search loop and "
+    "by whether the fix lowered the hit.",
+    ["path", "outcome"],
+)
+TOKEN_SERIES = (
+    "vllm_guard_fix_tokens_recomputed",
+    "Prompt tokens recomputed because the fix lowered a Mamba hit.",
+    [],
+)
+LOOKUP_LABELS = [(p, o) for p in ("block", "hash_unit") for o in ("lowered", "unchanged")]
+
+
 class LookupCounts:
     """This process's counts; flushed to its state file by a daemon thread."""
 
     def __init__(self) -> None:
         self.lookups: dict[tuple[str, str], int] = {}
         self.tokens_recomputed = 0
-        self.coordinator_groups_flagged = 0
         self._dirty = False
 
     def record(self, path: str, tokens_given_up: int) -> None:
@@ -100,29 +120,12 @@ class MultiprocessSeries:
     def __init__(self, status: str, version: str, coordinator: str) -> None:
         from prometheus_client import Counter, Gauge
 
-        info = Gauge(
-            "vllm_guard_fix_info",
-            "vllm-guard-fix in this server: status active, refused or disabled.",
-            ["status", "vllm_version", "coordinator"],
-            registry=None,
-            multiprocess_mode="max",
-        )
+        info = Gauge(*INFO_SERIES, registry=None, multiprocess_mode="max")
         info.labels(status, version, coordinator).set(1)
-        self.lookups = Counter(
-            "vllm_guard_fix_mamba_lookups",
-            "Mamba prefix-cache lookups asked to drop the speculative block, by search "
-            "loop and by whether the fix lowered the hit.",
-            ["path", "outcome"],
-            registry=None,
-        )
-        for path in ("block", "hash_unit"):
-            for outcome in ("lowered", "unchanged"):
-                self.lookups.labels(path, outcome)
-        self.tokens = Counter(
-            "vllm_guard_fix_tokens_recomputed",
-            "Prompt tokens recomputed because the fix lowered a Mamba hit.",
-            registry=None,
-        )
+        self.lookups = Counter(*LOOKUP_SERIES, registry=None)
+        for labels in LOOKUP_LABELS:
+            self.lookups.labels(*labels)
+        self.tokens = Counter(*TOKEN_SERIES, registry=None)
 
     def record(self, path: str, outcome: str, tokens_given_up: int) -> None:
         self.lookups.labels(path, outcome).inc()
@@ -155,11 +158,9 @@ def _flush(directory: Path) -> None:
 
 
 def _final_flush(directory: Path) -> None:
-    if LOOKUPS._dirty:
-        try:
+    if LOOKUPS._dirty and MULTIPROCESS is None:
+        with contextlib.suppress(OSError):  # the directory's creator may have exited first
             _flush(directory)
-        except OSError:  # the directory's creator may have exited first
-            pass
 
 
 def _flusher(directory: Path) -> None:
@@ -168,12 +169,10 @@ def _flusher(directory: Path) -> None:
     last_log = time.monotonic()
     while True:
         time.sleep(FLUSH_INTERVAL_S)
-        if LOOKUPS._dirty:
+        if LOOKUPS._dirty and MULTIPROCESS is None:  # else prometheus_client's files
             LOOKUPS._dirty = False
-            try:
+            with contextlib.suppress(OSError):  # a full or removed directory must not hurt
                 _flush(directory)
-            except OSError:  # a full or removed directory must not hurt serving
-                pass
         lowered = LOOKUPS.lowered()
         if lowered != last_logged_lowered and time.monotonic() - last_log >= LOG_INTERVAL_S:
             log.info(
@@ -204,30 +203,15 @@ class FixCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-        info = GaugeMetricFamily(
-            "vllm_guard_fix_info",
-            "vllm-guard-fix in this server: status active, refused or disabled.",
-            labels=["status", "vllm_version", "coordinator"],
-        )
-        info.add_metric(
-            [_STATUS["status"], _STATUS["vllm_version"], _STATUS["coordinator"]], 1.0
-        )
+        info = GaugeMetricFamily(*INFO_SERIES[:2], labels=INFO_SERIES[2])
+        info.add_metric([_STATUS["status"], _STATUS["vllm_version"], _STATUS["coordinator"]], 1.0)
         yield info
         lookups, tokens = _totals(self.directory)
-        family = CounterMetricFamily(
-            "vllm_guard_fix_mamba_lookups",
-            "Mamba prefix-cache lookups asked to drop the speculative block, by search "
-            "loop and by whether the fix lowered the hit.",
-            labels=["path", "outcome"],
-        )
-        for path in ("block", "hash_unit"):
-            for outcome in ("lowered", "unchanged"):
-                family.add_metric([path, outcome], float(lookups.get((path, outcome), 0)))
+        family = CounterMetricFamily(*LOOKUP_SERIES[:2], labels=LOOKUP_SERIES[2])
+        for labels in LOOKUP_LABELS:
+            family.add_metric(list(labels), float(lookups.get(labels, 0)))
         yield family
-        recomputed = CounterMetricFamily(
-            "vllm_guard_fix_tokens_recomputed",
-            "Prompt tokens recomputed because the fix lowered a Mamba hit.",
-        )
+        recomputed = CounterMetricFamily(*TOKEN_SERIES[:2])
         recomputed.add_metric([], float(tokens))
         yield recomputed
 
