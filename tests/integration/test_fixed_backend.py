@@ -56,7 +56,7 @@ def test_plugin_is_active_in_a_real_server_and_says_so(fixed_vllm: VLLMServer) -
     lookups = {k: v for k, v in series.items() if "mamba_lookups_total" in k}
     assert len(lookups) == 4
     assert set(lookups.values()) == {0.0}
-    assert series["vllm_guard_fix_tokens_recomputed_total"] == 0.0
+    assert series["vllm_guard_fix_tokens_withheld_total"] == 0.0
 
 
 def test_a_stock_server_says_the_fix_is_not_active(vllm: RunningVLLM) -> None:
@@ -287,7 +287,7 @@ def test_lookups_counted_in_the_engine_core_reach_the_api_servers_metrics(
     assert 'vllm_guard_fix_mamba_lookups_total{outcome="lowered",path="block"} 1.0' in lines
     assert 'vllm_guard_fix_mamba_lookups_total{outcome="unchanged",path="block"} 1.0' in lines
     assert 'vllm_guard_fix_mamba_lookups_total{outcome="unchanged",path="hash_unit"} 1.0' in lines
-    assert "vllm_guard_fix_tokens_recomputed_total 64.0" in lines
+    assert "vllm_guard_fix_tokens_withheld_total 64.0" in lines
 
 
 def test_with_several_api_servers_the_series_come_from_multiprocess_files(
@@ -319,7 +319,7 @@ def test_with_several_api_servers_the_series_come_from_multiprocess_files(
     assert info in lines
     assert 'vllm_guard_fix_mamba_lookups_total{outcome="lowered",path="block"} 1.0' in lines
     assert 'vllm_guard_fix_mamba_lookups_total{outcome="unchanged",path="hash_unit"} 1.0' in lines
-    assert "vllm_guard_fix_tokens_recomputed_total 64.0" in lines
+    assert "vllm_guard_fix_tokens_withheld_total 64.0" in lines
 
 
 def test_a_real_server_with_two_api_servers_reports_the_fix(tiny_model_dir: Path) -> None:

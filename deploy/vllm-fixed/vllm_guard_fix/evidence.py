@@ -12,8 +12,9 @@ sums those files. Series (on vLLM's ``/metrics``):
 * ``vllm_guard_fix_mamba_lookups_total{path, outcome}``: Mamba lookups asked to
   drop, by search loop (``block``, ``hash_unit``) and outcome (``lowered``: the
   fix moved the hit one block down; ``unchanged``).
-* ``vllm_guard_fix_tokens_recomputed_total``: tokens those lowered hits gave up,
-  the fix's cost in prefill.
+* ``vllm_guard_fix_tokens_withheld_total``: tokens those lowered hits gave up, per
+  lookup: the fix's cost in prefill, an upper bound (a request vLLM looks up again,
+  e.g. while it waits for blocks, counts again).
 
 With ``--api-server-count > 1`` vLLM serves ``/metrics`` from prometheus_client's
 multiprocess files (``PROMETHEUS_MULTIPROC_DIR``, set before it spawns the API
@@ -80,8 +81,9 @@ LOOKUP_SERIES = (
     ["path", "outcome"],
 )
 TOKEN_SERIES = (
-    "vllm_guard_fix_tokens_recomputed",
-    "Prompt tokens recomputed because the fix lowered a Mamba hit.",
+    "vllm_guard_fix_tokens_withheld",
+    "Prompt tokens withheld from Mamba hits by the fix, summed per lookup (a request "
+    "looked up again counts again).",
     [],
 )
 LOOKUP_LABELS = [(p, o) for p in ("block", "hash_unit") for o in ("lowered", "unchanged")]
@@ -92,14 +94,14 @@ class LookupCounts:
 
     def __init__(self) -> None:
         self.lookups: dict[tuple[str, str], int] = {}
-        self.tokens_recomputed = 0
+        self.tokens_withheld = 0
         self._dirty = False
 
     def record(self, path: str, tokens_given_up: int) -> None:
         outcome = "lowered" if tokens_given_up > 0 else "unchanged"
         key = (path, outcome)
         self.lookups[key] = self.lookups.get(key, 0) + 1
-        self.tokens_recomputed += max(0, tokens_given_up)
+        self.tokens_withheld += max(0, tokens_given_up)
         self._dirty = True
         if MULTIPROCESS is not None:
             MULTIPROCESS.record(path, outcome, tokens_given_up)
@@ -110,7 +112,7 @@ class LookupCounts:
     def snapshot(self) -> dict[str, Any]:
         return {
             "lookups": [[path, outcome, n] for (path, outcome), n in self.lookups.items()],
-            "tokens_recomputed": self.tokens_recomputed,
+            "tokens_withheld": self.tokens_withheld,
         }
 
 
@@ -177,7 +179,7 @@ def _flusher(directory: Path) -> None:
         if lowered != last_logged_lowered and time.monotonic() - last_log >= LOG_INTERVAL_S:
             log.info(
                 "vllm-guard-fix: %d Mamba lookups lowered one block so far "
-                "(%d tokens recomputed)", lowered, LOOKUPS.tokens_recomputed,
+                "(%d tokens withheld)", lowered, LOOKUPS.tokens_withheld,
             )  # fmt: skip
             last_logged_lowered, last_log = lowered, time.monotonic()
 
@@ -192,7 +194,7 @@ def _totals(directory: Path) -> tuple[dict[tuple[str, str], int], int]:
             continue
         for path, outcome, n in data.get("lookups", []):
             lookups[(path, outcome)] = lookups.get((path, outcome), 0) + int(n)
-        tokens += int(data.get("tokens_recomputed", 0))
+        tokens += int(data.get("tokens_withheld", 0))
     return lookups, tokens
 
 
@@ -211,9 +213,9 @@ class FixCollector:
         for labels in LOOKUP_LABELS:
             family.add_metric(list(labels), float(lookups.get(labels, 0)))
         yield family
-        recomputed = CounterMetricFamily(*TOKEN_SERIES[:2])
-        recomputed.add_metric([], float(tokens))
-        yield recomputed
+        withheld = CounterMetricFamily(*TOKEN_SERIES[:2])
+        withheld.add_metric([], float(tokens))
+        yield withheld
 
 
 def start(status: str, version: str, coordinator: str) -> None:
