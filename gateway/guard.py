@@ -70,6 +70,8 @@ VERDICT_HEADER_RAW = VERDICT_HEADER.encode()
 SSE_MEDIA_TYPE = "text/event-stream"
 #: Most bytes of one stream held back before the guard decides on what it has.
 MAX_HELD_BYTES = 1024 * 1024
+#: Longest wait for the end of a backend's body after ``[DONE]`` (StreamState.finish_reading).
+FINISH_READING_S = 1.0
 
 
 @dataclass(slots=True)
@@ -131,6 +133,27 @@ class StreamState:
 
     def ended(self) -> bool:
         return self.done or self.upstream_error
+
+    async def finish_reading(self) -> None:
+        """After ``[DONE]``, read the backend's body to its end so that its keep-alive
+        connection goes back to the pool.
+
+        vLLM ends the chunked body right after ``[DONE]``, but in a separate write that
+        usually arrives after the guard stopped reading. Closing a response with
+        unread bytes closes its connection: every stream then cost a new TCP
+        connection to vLLM (about a tenth of the gateway's CPU per stream, measured,
+        and a TIME_WAIT socket each). Bounded: a backend that holds the body open
+        after ``[DONE]`` has its connection closed after ``FINISH_READING_S``.
+        """
+        content = self.response.content
+        if not self.done or self.upstream_error or content.is_eof():
+            return
+        try:
+            async with asyncio.timeout(FINISH_READING_S):
+                while await content.readany():
+                    pass  # nothing but the chunked terminator is expected
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            pass  # the connection is closed instead; the client has its answer
 
     def accept(self, event: SSEEvent) -> bytes | None:
         """Inspect one event; return the bytes to forward, or None to drop it."""
@@ -218,6 +241,7 @@ class Attempt:
 
     async def discard(self) -> None:
         if self.stream is not None:
+            await self.stream.finish_reading()  # a complete stream keeps its connection
             self.stream.response.close()
 
 
@@ -570,6 +594,7 @@ class Guard:
             status_code=200,
             raw_headers=headers,
             media_type=SSE_MEDIA_TYPE,
+            after_complete=attempt.stream.finish_reading,
             on_close=lambda: self._closed(attempt, trace),
             on_client_gone=lambda: self._client_left_mid_stream(trace),
         )
@@ -627,7 +652,8 @@ class Guard:
             yield sse_error_event(ShuttingDown("the gateway is shutting down"))
             raise
         finally:
-            state.response.close()
+            if not state.done:  # a complete stream is read to its end, then closed
+                state.response.close()
             relayed = time.perf_counter() - opened
             attempt.upstream_s += relayed
             trace.upstream_s += relayed

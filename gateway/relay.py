@@ -10,7 +10,7 @@ one watcher task: when the client goes away it cancels the relay, whose
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -24,10 +24,13 @@ class RelayResponse(Response):
         status_code: int = 200,
         raw_headers: Sequence[tuple[bytes, bytes]] = (),
         media_type: str | None = None,
+        after_complete: Callable[[], Awaitable[None]] | None = None,
         on_close: Callable[[], None] | None = None,
         on_client_gone: Callable[[], None] | None = None,
     ) -> None:
         self.chunks = chunks
+        #: Awaited once the client has the whole response (not after a disconnect).
+        self.after_complete = after_complete
         #: Runs at the end whatever happened, even if ``chunks`` never started
         #: (a generator that never ran does not run its ``finally``).
         self.on_close = on_close
@@ -79,6 +82,8 @@ class RelayResponse(Response):
             await asyncio.sleep(0)
             complete = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if self.after_complete is not None:
+                await self.after_complete()
         except asyncio.CancelledError:
             if not disconnected:
                 raise  # the server is stopping this request, not the client

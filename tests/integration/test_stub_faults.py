@@ -76,6 +76,33 @@ def test_mid_stream_drop_ends_with_inband_error(
     assert events[-1] == b"[DONE]"
 
 
+@pytest.mark.parametrize("holdback", [0, 1024])
+def test_stream_ended_late_after_done_keeps_its_connection(
+    stub: StubBackend, gateway_for: GatewayFactory, holdback: int
+) -> None:
+    """The backend's body ends 50 ms after [DONE]: the client's answer is complete at
+    [DONE], and the gateway reads the backend's body to its end, so the connection
+    goes back to the pool. Closing it with the terminator unread cost a new TCP
+    connection per stream (six ports for six requests here). With hold-back 1,024 the
+    whole stream is held before release; with 0 it is relayed as it comes."""
+    gateway = gateway_for(
+        stub.url,
+        guard={"stream": {"holdback_chars": holdback}},
+        upstream={"health_interval_s": 600, "metrics_scrape_interval_s": 600},
+    )
+    first = len(stub.state.client_ports)
+    for _ in range(6):
+        started = time.perf_counter()
+        response, events = stream_events(gateway.url, "late-end")
+        assert (response.status_code, events[-1]) == (200, b"[DONE]")
+        assert time.perf_counter() - started < 5  # never held to FINISH_READING_S per stream
+    ports = stub.state.client_ports[first:]
+    assert len(ports) == 6
+    # Two: the next request starts while the last connection is still reading the
+    # end of its body (50 ms), and takes another; after that both are reused.
+    assert len(set(ports)) <= 2, f"{ports}: {len(set(ports))} connections for 6 streams"
+
+
 @pytest.mark.parametrize("policy", ["pass", "cut"])
 def test_corruption_after_release(
     stub: StubBackend, gateway_for: GatewayFactory, policy: str

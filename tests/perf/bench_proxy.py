@@ -38,7 +38,7 @@ from bench_gateway import ARTIFACTS, GatewayProcess, ServiceProcess, pct  # noqa
 from gateway.localvllm import free_port, wait_http  # noqa: E402
 
 STUB = r"""
-import sys, orjson
+import asyncio, sys, orjson
 from aiohttp import web
 BODY = orjson.dumps({"id": "x", "object": "chat.completion", "model": "stub",
     "choices": [{"index": 0, "finish_reason": "stop",
@@ -56,8 +56,11 @@ async def chat(request):
     if b'"stream":true' in body:
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
-        for event in EVENTS:
+        paced = b'"user":"paced"' in body
+        for i, event in enumerate(EVENTS):
             await response.write(event)
+            if paced and i < len(EVENTS) - 3:  # a token every 2 ms; usage, [DONE], end at once
+                await asyncio.sleep(0.002)
         return response
     return web.Response(body=BODY, content_type="application/json")
 async def health(request):
@@ -213,11 +216,13 @@ class Run:
     latencies: list[float]
 
 
-def small_body(stream: bool) -> bytes:
+def small_body(stream: bool, *, paced: bool = False) -> bytes:
+    """~1.3 KB of chat request. ``paced``: the stub spaces its events 2 ms apart."""
     text = "click the submit button at the bottom of the settings page " * 20  # ~1.2 KB
-    return orjson.dumps(
-        {"model": "stub", "messages": [{"role": "user", "content": text}], "stream": stream}
-    )
+    body = {"model": "stub", "messages": [{"role": "user", "content": text}], "stream": stream}
+    if paced:
+        body["user"] = "paced"
+    return orjson.dumps(body)
 
 
 def large_body() -> bytes:

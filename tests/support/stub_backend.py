@@ -55,6 +55,8 @@ class StubState:
         #: Every request's header pairs as received, repeats included.
         self.raw_headers: list[list[tuple[str, str]]] = []
         self.paths: list[str] = []
+        #: The client port of every completion request: one per connection used.
+        self.client_ports: list[int] = []
         self.open_streams = 0
         #: When set, every completion request plays this scenario (the header aside).
         self.forced_scenario: str | None = None
@@ -87,6 +89,10 @@ def build_app(state: StubState) -> Starlette:
             yield chunk(finish="stop")
             yield b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":10}}\n\n'
             yield DONE
+            if scenario == "late-end":
+                # The chunked body's terminator well after [DONE] (a buffering proxy
+                # between gateway and vLLM can split them so).
+                await asyncio.sleep(0.05)
         finally:
             state.open_streams -= 1
 
@@ -95,6 +101,7 @@ def build_app(state: StubState) -> Starlette:
         state.requests.append(body)
         state.headers.append({":path": request.url.path, **request.headers})
         state.raw_headers.append(request.headers.items())
+        state.client_ports.append(request.client.port if request.client else 0)
         scenario = state.forced_scenario or request.headers.get("x-stub-scenario", "clean")
         if scenario == "503":
             return JSONResponse(
