@@ -357,6 +357,8 @@ class PunctTracker:
     run: int = 0
     counts: dict[str, int] = field(default_factory=dict)
     long_run_chars: set[str] = field(default_factory=set)
+    #: A run long enough to matter has been seen: ``degenerate`` is worth asking.
+    suspect: bool = False
 
     def feed(self, text: str) -> None:
         if not self.detector.has_candidate(text):
@@ -368,7 +370,9 @@ class PunctTracker:
                 self.run_char, self.run = "", 0
             return
         candidates = self.detector.candidates
-        min_run = self.detector.settings.punct_min_run
+        settings = self.detector.settings
+        min_run = settings.punct_min_run
+        suspect_run = min(min_run, settings.punct_min_tail_run)
         for char in text:
             if char.isspace():
                 continue
@@ -379,8 +383,10 @@ class PunctTracker:
                     self.run += 1
                 else:
                     self.run_char, self.run = char, 1
-                if self.run >= min_run:
-                    self.long_run_chars.add(char)
+                if self.run >= suspect_run:
+                    self.suspect = True
+                    if self.run >= min_run:
+                        self.long_run_chars.add(char)
             else:
                 self.run_char, self.run = "", 0
 
@@ -388,6 +394,8 @@ class PunctTracker:
         s = self.detector.settings
         if not s.punct_run:
             return False
+        if not self.suspect and not complete:
+            return False  # no run has reached either threshold
         if self.run >= s.punct_min_tail_run:
             return True
         if complete and self.run >= s.punct_min_whole and self.run == self.visible:
@@ -437,13 +445,21 @@ class StreamInspector:
         #: From the stream's usage chunk (the gateway always asks for it), when it came.
         self.completion_tokens: int | None = None
         self.finished = False
+        #: Choice 0 has been seen: its text events may take ``feed_first_choice``.
+        self.has_first_choice = False
 
     def _choice(self, index: int) -> _StreamChoice:
         state = self.choices.get(index)
         if state is None:
             state = _StreamChoice(PunctTracker(self.detector), PunctTracker(self.detector))
             self.choices[index] = state
+            self.has_first_choice = 0 in self.choices
         return state
+
+    def feed_first_choice(self, pieces: list[str]) -> None:
+        """Text events of choice 0 (content, or a completion's text), in order, that
+        carried nothing else: what ``feed`` does with each, done once for all."""
+        self._feed_text(self.choices[0].content, self.choices[0].content_parts, "".join(pieces))
 
     def feed(self, chunk: Mapping[str, Any]) -> None:
         choices = chunk.get("choices")
@@ -522,7 +538,9 @@ class StreamInspector:
     def partial_verdict(self) -> Verdict:
         """Verdict on what has arrived so far (the stream is still running)."""
         for index, state in self.choices.items():
-            if state.content.degenerate() or state.reasoning.degenerate():
+            if (state.content.suspect or state.reasoning.suspect) and (
+                state.content.degenerate() or state.reasoning.degenerate()
+            ):
                 return Verdict(DegenerateKind.PUNCT_RUN, index)
         return CLEAN
 

@@ -52,7 +52,7 @@ from gateway.relay import RelayResponse
 from gateway.request import GuardedRequest, attempt_overrides, body_with
 from gateway.retry import SaltMemory, conversation_key
 from gateway.salt import SaltLadder, fresh_salt
-from gateway.sse import DONE, EventTooLarge, SSEEvent, SSEParser
+from gateway.sse import DONE, EventTooLarge, SSEEvent, SSEParser, lf_event
 from gateway.upstream import (
     Backend,
     BackendPool,
@@ -60,6 +60,7 @@ from gateway.upstream import (
     map_transport_errors,
     response_headers,
 )
+from gateway.vllmevents import CONTENT_EVENT, NotText, piece_text
 
 log = logging.getLogger(__name__)
 
@@ -190,15 +191,64 @@ class StreamState:
             self._reader = self._read()
         return self._reader
 
-    async def _read(self) -> AsyncIterator[list[bytes]]:
+    def take(self, chunk: bytes) -> list[bytes]:
+        """Inspect one network chunk; return the bytes to forward.
+
+        vLLM's text events (``CONTENT_EVENT``) are read without parsing their JSON and
+        forwarded as the chunk's own bytes; every other event goes through the SSE
+        parser and ``accept``. A chunk that does not start on an event boundary or has
+        CR line ends goes to the parser whole."""
+        if self.parser.pending or b"\r" in chunk:
+            return self._take_parsed(chunk)
+        inspector = self.inspector
+        match = CONTENT_EVENT.match
+        forward: list[bytes] = []
+        pieces: list[str] = []
+        start = pos = 0  # chunk[start:pos] is forwarded unchanged
+        end = len(chunk)
+        while pos < end:
+            found = match(chunk, pos) if inspector.has_first_choice else None
+            if found is not None:
+                try:
+                    pieces.append(piece_text(found))
+                except NotText:
+                    raise UpstreamProtocolError(
+                        "backend sent an SSE event that is not JSON"
+                    ) from None
+                pos = found.end()
+                continue
+            stop = chunk.find(b"\n\n", pos)
+            if stop < 0:
+                break  # an event still arriving: the parser keeps it
+            if pieces:
+                inspector.feed_first_choice(pieces)
+                pieces = []
+            if self.accept(lf_event(chunk[pos:stop])) is None:  # dropped
+                if pos > start:
+                    forward.append(chunk[start:pos])
+                start = stop + 2
+            pos = stop + 2
+        if pieces:
+            inspector.feed_first_choice(pieces)
+        if pos > start:
+            forward.append(chunk[start:pos])
+        if pos < end:
+            forward.extend(self._take_parsed(chunk[pos:]))
+        return forward
+
+    def _take_parsed(self, chunk: bytes) -> list[bytes]:
+        try:
+            events = self.parser.feed(chunk)
+        except EventTooLarge as exc:
+            raise UpstreamProtocolError(f"backend stream: {exc}") from None
         accept = self.accept
+        return [f for e in events if (f := accept(e)) is not None]
+
+    async def _read(self) -> AsyncIterator[list[bytes]]:
+        take = self.take
         with map_transport_errors(self.backend):
             async for chunk in self.response.content.iter_any():
-                try:
-                    events = self.parser.feed(chunk)
-                except EventTooLarge as exc:
-                    raise UpstreamProtocolError(f"backend stream: {exc}") from None
-                yield [f for e in events if (f := accept(e)) is not None]
+                yield take(chunk)
                 if self.ended():
                     return
         tail = self.parser.close()

@@ -44,7 +44,7 @@ def parse_event(raw: bytes) -> SSEEvent:
     return SSEEvent(raw, b"\n".join(data_lines) if data_lines else None)
 
 
-def _lf_event(body: bytes) -> SSEEvent:
+def lf_event(body: bytes) -> SSEEvent:
     """One event of an LF-only stream, without its terminating blank line."""
     raw = body + b"\n\n"
     if body.startswith(b"data: ") and b"\n" not in body:
@@ -85,7 +85,7 @@ class SSEParser:
         if b"\r" not in buffer:  # vLLM's streams: LF line ends
             parts = buffer.split(b"\n\n")
             rest = parts.pop()
-            events = [_lf_event(part) for part in parts]
+            events = [lf_event(part) for part in parts]
         else:
             events, rest = _split_general(buffer)
         if rest:

@@ -268,7 +268,12 @@ def test_max_tokens_1_answers_are_never_retried(
     """A one-token answer that decodes to whitespace (7% of max_tokens=1 answers on
     this model: 29 of 400 measured) was retried as "empty". 60 requests, streamed and
     not: on the old rule all 60 pass clean with probability 0.93^60, about 1%; on
-    the current one none was flagged in 400."""
+    the current one none was flagged in 400.
+
+    ``ignore_eos``: with it off, a one-token answer is now and then the end-of-text
+    token alone (vocabulary of 1,028, sampled at temperature 1): an empty answer that
+    stopped, which the guard rightly retries; this test failed on it in one of four
+    runs here. The whitespace tokens this test is about are unaffected."""
     gateway = gateway_for(vllm.url, **GENEROUS_BUDGET)
     client = openai_client(gateway.url)
 
@@ -276,6 +281,7 @@ def test_max_tokens_1_answers_are_never_retried(
         messages = [{"role": "user", "content": f"{uuid.uuid4()} one token {i}"}]
         raw = client.chat.completions.with_raw_response.create(
             model=vllm.model, messages=messages, max_tokens=1, stream=i % 3 == 0,
+            extra_body={"ignore_eos": True},
         )  # fmt: skip
         raw.parse() if i % 3 else list(raw.parse())
         return f"{raw.headers['x-vllm-guard-attempts']}/{raw.headers['x-vllm-guard-verdict']}"

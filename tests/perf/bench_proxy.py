@@ -45,11 +45,19 @@ BODY = orjson.dumps({"id": "x", "object": "chat.completion", "model": "stub",
                  "message": {"role": "assistant", "content": "The button is at the top right."}}],
     "usage": {"prompt_tokens": 50, "completion_tokens": 10, "total_tokens": 60,
               "prompt_tokens_details": {"cached_tokens": 0}}})
-def chunk(text):
-    return b"data: " + orjson.dumps({"id": "x", "object": "chat.completion.chunk", "model": "stub",
-        "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}) + b"\n\n"
-EVENTS = [chunk("")] + [chunk(f"word{i} ") for i in range(21)] + [
-    b'data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":21}}\n\n',
+# Events as vLLM 0.32 writes them (key order and null fields read off a real server).
+HEAD = {"id": "chatcmpl-aa6e125256a909c4", "object": "chat.completion.chunk",
+        "created": 1796319639, "model": "stub"}
+def chunk(delta, finish=None):
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+              "token_ids": None}
+    return b"data: " + orjson.dumps({**HEAD, "choices": [choice]}) + b"\n\n"
+EVENTS = [chunk({"role": "assistant", "content": ""})] + [
+    chunk({"content": f"word{i} "}) for i in range(20)] + [
+    chunk({"content": "end."}, finish="stop"),
+    b"data: " + orjson.dumps({**HEAD, "choices": [], "usage": {"prompt_tokens": 5,
+        "total_tokens": 26, "completion_tokens": 21,
+        "prompt_tokens_details": {"cached_tokens": 0}}}) + b"\n\n",
     b"data: [DONE]\n\n"]
 async def chat(request):
     body = await request.read()
