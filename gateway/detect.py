@@ -447,6 +447,8 @@ class StreamInspector:
         self.finished = False
         #: Choice 0 has been seen: its text events may take ``feed_first_choice``.
         self.has_first_choice = False
+        #: Some punctuation run has reached a threshold: ``partial_verdict`` may find one.
+        self.suspect = False
 
     def _choice(self, index: int) -> _StreamChoice:
         state = self.choices.get(index)
@@ -504,6 +506,7 @@ class StreamInspector:
             tracker.feed(content)
             state.content_parts.append(content)
             self.visible_chars += tracker.visible - before
+            self.suspect = self.suspect or tracker.suspect
         finish = raw.get("finish_reason")
         if type(finish) is str:
             state.finish_reason = finish
@@ -534,9 +537,12 @@ class StreamInspector:
             tracker.feed(text)
             parts.append(text)
             self.visible_chars += tracker.visible - before
+            self.suspect = self.suspect or tracker.suspect
 
     def partial_verdict(self) -> Verdict:
         """Verdict on what has arrived so far (the stream is still running)."""
+        if not self.suspect:
+            return CLEAN
         for index, state in self.choices.items():
             if (state.content.suspect or state.reasoning.suspect) and (
                 state.content.degenerate() or state.reasoning.degenerate()
@@ -573,6 +579,11 @@ class StreamInspector:
                 kind = self.detector.choice_kind(self._output(state))
                 if kind is not None:
                     return Verdict(kind, index)
+                continue
+            if state.visible < min_release_chars and not state.tool_visible:
+                # Held whatever the detectors say (the punctuation trackers above
+                # still reject at once): they run on more text, once, later.
+                healthy = False
                 continue
             texts = state.texts()
             for text in texts:

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ import aiohttp
 import orjson
 from multidict import CIMultiDict
 from starlette.responses import Response
+from starlette.types import Send
 
 from gateway.budget import Refusal, RetryBudget, RetryTicket
 from gateway.config import (
@@ -48,7 +49,7 @@ from gateway.errors import (
 )
 from gateway.evidence import EvidenceRecord, EvidenceStore, prompt_fingerprint
 from gateway.metrics import Metrics
-from gateway.relay import RelayResponse
+from gateway.relay import RelayResponse, body_frame
 from gateway.request import GuardedRequest, attempt_overrides, body_with
 from gateway.retry import SaltMemory, conversation_key
 from gateway.salt import SaltLadder, fresh_salt
@@ -59,8 +60,9 @@ from gateway.upstream import (
     RawHeaders,
     map_transport_errors,
     response_headers,
+    transport_error,
 )
-from gateway.vllmevents import CONTENT_EVENT, NotText, piece_text
+from gateway.vllmevents import NotText, TextEventReader
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +132,8 @@ class StreamState:
     done: bool = False
     usage: Usage | None = None
     upstream_error: bool = False
-    _reader: AsyncIterator[list[bytes]] | None = None
+    _body_ended: bool = False
+    text_events: TextEventReader = field(default_factory=TextEventReader)
 
     def ended(self) -> bool:
         return self.done or self.upstream_error
@@ -185,11 +188,26 @@ class StreamState:
         self.inspector.feed(payload)
         return raw
 
-    def batches(self) -> AsyncIterator[list[bytes]]:
-        """Forwardable event bytes, one list per network chunk; resumable after a break."""
-        if self._reader is None:
-            self._reader = self._read()
-        return self._reader
+    async def next_batch(self) -> list[bytes] | None:
+        """The forwardable events of the next network chunk; None once the stream has
+        ended (``[DONE]``, an error event, or the end of the body after either)."""
+        if self.ended() or self._body_ended:
+            if self._body_ended and not self.ended():
+                raise UpstreamProtocolError("backend stream ended before [DONE]")
+            return None
+        try:
+            chunk = await self.response.content.readany()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise transport_error(self.backend, exc) from exc
+        if chunk:
+            return self.take(chunk)
+        # The end of the body: an unterminated last event is still an event.
+        self._body_ended = True
+        tail = self.parser.close()
+        forward = self.accept(tail) if tail is not None else None
+        if forward is not None:
+            return [forward]  # the next call says whether [DONE] came
+        return await self.next_batch()
 
     def take(self, chunk: bytes) -> list[bytes]:
         """Inspect one network chunk; return the bytes to forward.
@@ -201,21 +219,19 @@ class StreamState:
         if self.parser.pending or b"\r" in chunk:
             return self._take_parsed(chunk)
         inspector = self.inspector
-        match = CONTENT_EVENT.match
+        read_text = self.text_events.read
         forward: list[bytes] = []
         pieces: list[str] = []
         start = pos = 0  # chunk[start:pos] is forwarded unchanged
         end = len(chunk)
         while pos < end:
-            found = match(chunk, pos) if inspector.has_first_choice else None
+            try:
+                found = read_text(chunk, pos) if inspector.has_first_choice else None
+            except NotText:
+                raise UpstreamProtocolError("backend sent an SSE event that is not JSON") from None
             if found is not None:
-                try:
-                    pieces.append(piece_text(found))
-                except NotText:
-                    raise UpstreamProtocolError(
-                        "backend sent an SSE event that is not JSON"
-                    ) from None
-                pos = found.end()
+                pieces.append(found[0])
+                pos = found[1]
                 continue
             stop = chunk.find(b"\n\n", pos)
             if stop < 0:
@@ -243,19 +259,6 @@ class StreamState:
             raise UpstreamProtocolError(f"backend stream: {exc}") from None
         accept = self.accept
         return [f for e in events if (f := accept(e)) is not None]
-
-    async def _read(self) -> AsyncIterator[list[bytes]]:
-        take = self.take
-        with map_transport_errors(self.backend):
-            async for chunk in self.response.content.iter_any():
-                yield take(chunk)
-                if self.ended():
-                    return
-        tail = self.parser.close()
-        if tail is not None and (forward := self.accept(tail)) is not None:
-            yield [forward]
-        if not self.ended():
-            raise UpstreamProtocolError("backend stream ended before [DONE]")
 
 
 @dataclass(slots=True)
@@ -592,7 +595,7 @@ class Guard:
         min_release = min(self.settings.guard.stream.min_release_chars, ceiling)
         inspector = state.inspector
         held_bytes = 0
-        async for forward in state.batches():
+        while (forward := await state.next_batch()) is not None:
             state.held.extend(forward)
             if state.ended():
                 break
@@ -640,7 +643,7 @@ class Guard:
             max(0.0, now - trace.started - trace.upstream_s)
         )
         return RelayResponse(
-            self._relay(attempt, trace, verdict),
+            lambda send: self._relay(attempt, trace, verdict, send),
             status_code=200,
             raw_headers=headers,
             media_type=SSE_MEDIA_TYPE,
@@ -662,44 +665,45 @@ class Guard:
         stream = "true" if request.stream else "false"
         self.metrics.client_disconnects.labels(model, request.endpoint, stream, phase).inc()
 
-    async def _relay(self, attempt: Attempt, trace: Trace, verdict: str) -> AsyncIterator[bytes]:
+    async def _relay(self, attempt: Attempt, trace: Trace, verdict: str, send: Send) -> None:
+        """Send the held bytes, then the rest of the stream as it arrives, watching it."""
         state = attempt.stream
         assert state is not None
+        inspector = state.inspector
         inspect = self.mode is not GuardMode.OFF
         released_clean = not attempt.verdict.degenerate
         opened = time.perf_counter()
         try:
             if state.held:
-                yield b"".join(state.held)
+                await send(body_frame(b"".join(state.held)))
                 state.held.clear()
-            if not state.ended():
-                async for forward in state.batches():
-                    if released_clean and inspect:
-                        late = state.inspector.partial_verdict()
-                        if late.kind is not None:
-                            released_clean = False
-                            verdict = "degenerate"
-                            cut = self._late_corruption(attempt, trace, late.kind)
-                            if cut is not None:
-                                yield cut
-                                return
-                    if forward:
-                        yield b"".join(forward)
+            while (forward := await state.next_batch()) is not None:
+                if released_clean and inspect and inspector.suspect:
+                    late = inspector.partial_verdict()
+                    if late.kind is not None:
+                        released_clean = False
+                        verdict = "degenerate"
+                        cut = self._late_corruption(attempt, trace, late.kind)
+                        if cut is not None:
+                            await send(body_frame(cut))
+                            return
+                if forward:
+                    await send(body_frame(b"".join(forward)))
             if released_clean and inspect and state.done:
-                final = state.inspector.final_verdict()
+                final = inspector.final_verdict()
                 if final.kind is not None:
                     verdict = "degenerate"
                     self._late_corruption(attempt, trace, final.kind, ended=True)
         except GatewayError as exc:
             verdict = "error"
-            yield sse_error_event(exc)
+            await send(body_frame(sse_error_event(exc)))
         except asyncio.CancelledError:
             if trace.client_gone:
                 raise  # counted as a disconnect; the verdict stands for what was sent
             # The shutdown grace ran out: end the stream in-band where the connection
             # still takes it, then let the cancellation go on.
             verdict = "error"
-            yield sse_error_event(ShuttingDown("the gateway is shutting down"))
+            await send(body_frame(sse_error_event(ShuttingDown("the gateway is shutting down"))))
             raise
         finally:
             if not state.done:  # a complete stream is read to its end, then closed

@@ -5,21 +5,30 @@ group per response (two tasks and a cancel scope); profiling put that at about
 15% of a streamed request's gateway CPU. ``RelayResponse`` does the same job with
 one watcher task: when the client goes away it cancels the relay, whose
 ``finally`` closes the upstream response so vLLM aborts the generation.
+
+The relay is a coroutine that sends body frames itself (``pump``), not an
+iterator of chunks: each event then crosses one await instead of two async
+generators, which profiling put at about a tenth of a streamed token's cost.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+
+def body_frame(chunk: bytes) -> Message:
+    """An ASGI body frame of a response with more to come."""
+    return {"type": "http.response.body", "body": chunk, "more_body": True}
 
 
 class RelayResponse(Response):
     def __init__(
         self,
-        chunks: AsyncIterator[bytes],
+        pump: Callable[[Send], Awaitable[None]],
         *,
         status_code: int = 200,
         raw_headers: Sequence[tuple[bytes, bytes]] = (),
@@ -28,11 +37,11 @@ class RelayResponse(Response):
         on_close: Callable[[], None] | None = None,
         on_client_gone: Callable[[], None] | None = None,
     ) -> None:
-        self.chunks = chunks
+        #: Sends the body frames (``body_frame``); the last, empty frame is ours.
+        self.pump = pump
         #: Awaited once the client has the whole response (not after a disconnect).
         self.after_complete = after_complete
-        #: Runs at the end whatever happened, even if ``chunks`` never started
-        #: (a generator that never ran does not run its ``finally``).
+        #: Runs at the end whatever happened, even if ``pump`` never started.
         self.on_close = on_close
         #: Runs once, before the relay is cancelled, when the client disconnects.
         self.on_client_gone = on_client_gone
@@ -73,9 +82,8 @@ class RelayResponse(Response):
                     "headers": self.raw_headers,
                 }
             )
-            async for chunk in self.chunks:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            # A relay that found every chunk already buffered never waited, so a
+            await self.pump(send)
+            # A pump that found every chunk already buffered never waited, so a
             # client that left meanwhile (the server drops sends to a closed
             # connection) has woken the watcher but not yet been seen: let it run
             # before the last frame makes every receive() say "disconnect".
@@ -90,6 +98,5 @@ class RelayResponse(Response):
             current.uncancel()
         finally:
             watcher.cancel()
-            await self.chunks.aclose()  # type: ignore[attr-defined]
             if self.on_close is not None:
                 self.on_close()

@@ -126,23 +126,27 @@ def map_transport_errors(backend: Backend) -> Iterator[None]:
     """Translate transport exceptions into GatewayErrors, once, for every caller."""
     try:
         yield
-    except GatewayError:
-        raise
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeout(f"backend {backend.name} did not answer in time") from exc
-    except aiohttp.ClientConnectorError as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise transport_error(backend, exc) from exc
+
+
+def transport_error(backend: Backend, exc: TimeoutError | aiohttp.ClientError) -> GatewayError:
+    """The GatewayError for a transport exception (``map_transport_errors``, or a hot
+    loop's own ``except`` where a context manager per read would cost too much)."""
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return UpstreamTimeout(f"backend {backend.name} did not answer in time")
+    if isinstance(exc, aiohttp.ClientConnectorError):
         backend.mark(False)
-        raise BackendUnreachable(f"backend {backend.name} is unreachable") from exc
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-        raise BackendUnreachable(f"backend {backend.name} closed the connection") from exc
-    except aiohttp.ClientPayloadError as exc:
+        return BackendUnreachable(f"backend {backend.name} is unreachable")
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
+        return BackendUnreachable(f"backend {backend.name} closed the connection")
+    if isinstance(exc, aiohttp.ClientPayloadError):
         # The body broke off (the backend died mid-response): before release this
         # fails over like any unreachable backend; after release it ends in-band.
-        raise BackendUnreachable(f"backend {backend.name} broke off its response") from exc
-    except aiohttp.ClientResponseError as exc:
-        raise UpstreamProtocolError(f"backend {backend.name} sent an invalid response") from exc
-    except aiohttp.ClientError as exc:
-        raise BackendUnreachable(f"backend {backend.name} request failed") from exc
+        return BackendUnreachable(f"backend {backend.name} broke off its response")
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return UpstreamProtocolError(f"backend {backend.name} sent an invalid response")
+    return BackendUnreachable(f"backend {backend.name} request failed")
 
 
 def new_session(settings: UpstreamSettings, *, pooled: bool = True) -> aiohttp.ClientSession:

@@ -22,6 +22,12 @@ event, the finish event, usage, errors, other servers' spellings, CR line ends,
 an escape in the id) does not match and takes the general path. Profiling put
 JSON parsing and reading at about a third of the gateway's CPU per streamed
 token; a match costs a fraction of that.
+
+Within one stream every text event has the same bytes around its text (id,
+created, model, null fields): ``TextEventReader`` remembers them from the first
+match and then only checks that the next event starts with the same head, that
+its text is plain (nothing escaped) and that the same tail follows: the event is
+then one ``CONTENT_EVENT`` would match, found for half the cost.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ import orjson
 
 #: A JSON string's contents: no quote, backslash or control character unless escaped.
 _JSON_STRING = rb'[^"\\\x00-\x1f]*(?:\\.[^"\\\x00-\x1f]*)*'
+#: JSON string contents with nothing escaped (and so nothing to unescape).
+_PLAIN_TEXT = re.compile(rb'[^"\\\x00-\x1f]*')
 #: A plain JSON string value with nothing escaped (ids, model names).
 _PLAIN_STRING = rb'"[^"\\\x00-\x1f]*"'
 _NULL_FIELDS = rb"(?:,\"(?:%s)\":null)*"
@@ -63,3 +71,37 @@ def piece_text(match: re.Match[bytes]) -> str:
         return raw.decode()
     except (UnicodeDecodeError, orjson.JSONDecodeError):
         raise NotText from None
+
+
+class TextEventReader:
+    """Reads one stream's text events: ``CONTENT_EVENT``, then the stream's own head
+    and tail once a first event showed them."""
+
+    __slots__ = ("head", "tail")
+
+    def __init__(self) -> None:
+        self.head: bytes | None = None
+        self.tail = b""
+
+    def read(self, chunk: bytes, pos: int) -> tuple[str, int] | None:
+        """The text of the text event starting at ``chunk[pos]`` and the position after
+        it, or None if no text event starts there. Raises NotText for a text event
+        whose text is not valid JSON string contents."""
+        head = self.head
+        if head is not None and chunk.startswith(head, pos):
+            start = pos + len(head)
+            stop = chunk.find(self.tail, start)  # the tail starts with the closing quote
+            if stop >= 0:
+                raw = chunk[start:stop]
+                if _PLAIN_TEXT.fullmatch(raw) is not None:  # no quote: the first one closes
+                    try:
+                        return raw.decode(), stop + len(self.tail)
+                    except UnicodeDecodeError:
+                        raise NotText from None
+        found = CONTENT_EVENT.match(chunk, pos)
+        if found is None:
+            return None
+        group = found.lastindex or 1
+        self.head = chunk[pos : found.start(group)]
+        self.tail = chunk[found.end(group) : found.end()]
+        return piece_text(found), found.end()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from starlette.types import Message
+from starlette.types import Message, Send
 
-from gateway.relay import RelayResponse
+from gateway.relay import RelayResponse, body_frame
 
 
 class Connection:
@@ -44,8 +44,13 @@ def relay_of(
     connection: Connection, chunks: AsyncIterator[bytes]
 ) -> tuple[RelayResponse, list[str]]:
     events: list[str] = []
+
+    async def pump(send: Send) -> None:
+        async for chunk in chunks:
+            await send(body_frame(chunk))
+
     relay = RelayResponse(
-        chunks,
+        pump,
         media_type="text/event-stream",
         on_close=lambda: events.append("closed"),
         on_client_gone=lambda: events.append("client gone"),

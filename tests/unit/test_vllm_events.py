@@ -156,7 +156,7 @@ def test_vllm_text_events_match_and_others_do_not() -> None:
 
 def test_a_text_event_that_is_not_json_is_a_protocol_error_both_ways() -> None:
     """Bytes that are not UTF-8, or an escape JSON does not have: the general path
-    refuses the event, and so does the fast path."""
+    refuses the event, and so does the fast path (on the stream's known head)."""
     for broken in (
         chat_event("ab").replace(b"ab", b"a\xffb"),
         chat_event("ab").replace(b"ab", b"a\\qb"),
@@ -164,5 +164,6 @@ def test_a_text_event_that_is_not_json_is_a_protocol_error_both_ways() -> None:
         for fast in (True, False):
             state = new_state()
             state.take(ROLE)
+            state.take(chat_event("ok"))  # the stream's head and tail are known now
             with pytest.raises(UpstreamProtocolError):
                 (state.take if fast else state._take_parsed)(broken)
