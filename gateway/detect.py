@@ -305,11 +305,25 @@ def repeats_itself(text: str, max_unit: int) -> bool:
     with at least a few characters of the repeat already there ("the the t"),
     perhaps after a word or two ("Answer: click here click here cl")."""
     n = len(text)
+    if n <= _LOOP_MIN_OVERLAP:
+        return False
+    # A period p can only work if the last character recurs p places before it: the
+    # candidates come from a few rfind calls instead of a comparison per length.
+    last = text[-1]
+    lowest = max(0, n - 1 - max_unit)
+    periods = []
+    at = text.rfind(last, lowest, n - 1)
+    while at >= 0:
+        periods.append(n - 1 - at)
+        at = text.rfind(last, lowest, at)
+    if not periods:
+        return False
     starts = [0]
     starts.extend(i + 1 for i, c in enumerate(text[:_LOOP_MAX_LEAD]) if c == " ")
     for start in starts:
-        for period in range(1, min(max_unit, n - start - _LOOP_MIN_OVERLAP) + 1):
-            if text[start + period :] == text[start : n - period]:
+        longest = n - start - _LOOP_MIN_OVERLAP
+        for period in periods:
+            if period <= longest and text[start + period :] == text[start : n - period]:
                 return True
     return False
 
