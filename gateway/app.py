@@ -5,7 +5,6 @@ Start with ``vllm-guard serve`` or ``uvicorn gateway.app:create_app --factory``.
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import hashlib
 import hmac
@@ -18,7 +17,6 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TypeVar
 
 import aiohttp
 import orjson
@@ -42,6 +40,7 @@ from gateway.errors import (
 from gateway.evidence import EvidenceStore
 from gateway.guard import Guard
 from gateway.metrics import Metrics
+from gateway.relay import ClientGone, ClientWatch
 from gateway.request import parse_guarded
 from gateway.scrape import BackendScraper
 from gateway.upstream import (
@@ -55,7 +54,6 @@ log = logging.getLogger("vllm_guard")
 
 RESOLVED_SETTINGS_ENV = "VLLM_GUARD_RESOLVED_SETTINGS"
 JSON_MEDIA_TYPE = "application/json"
-_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -66,10 +64,6 @@ class Runtime:
     metrics: Metrics
     guard: Guard
     scraper: BackendScraper
-
-
-class ClientGone(Exception):
-    """The client disconnected before the response started."""
 
 
 def settings_from_environment() -> Settings:
@@ -112,38 +106,6 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-async def until_disconnect(receive: Receive, work: Awaitable[_T]) -> _T:
-    """Await ``work``; cancel it (closing its upstream request) if the client leaves."""
-    current = asyncio.current_task()
-    assert current is not None
-    disconnected = False
-
-    async def watch() -> None:
-        nonlocal disconnected
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        disconnected = True
-        current.cancel()
-
-    watcher = asyncio.get_running_loop().create_task(watch())
-    try:
-        result = await work
-    except asyncio.CancelledError:
-        if disconnected:
-            current.uncancel()
-            raise ClientGone from None
-        raise
-    finally:
-        watcher.cancel()
-    if disconnected:  # the client left just as the work finished
-        current.uncancel()
-        close = getattr(result, "on_close", None)
-        if callable(close):
-            close()  # a released stream nobody will read: close its upstream
-        raise ClientGone
-    return result
 
 
 GUARDED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
@@ -414,8 +376,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 api_key=settings.upstream.api_key,
                 drop=guarded_drop,
             )
-            response = await until_disconnect(
-                receive, runtime.guard.handle(parsed, headers, started, client_identity(scope))
+            watch = ClientWatch(receive)
+            response = await watch.guard(
+                runtime.guard.handle(parsed, headers, started, client_identity(scope))
             )
         except GatewayError as exc:
             response = error_response(exc)

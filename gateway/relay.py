@@ -25,6 +25,75 @@ def body_frame(chunk: bytes) -> Message:
     return {"type": "http.response.body", "body": chunk, "more_body": True}
 
 
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+class ClientWatch:
+    """One task per request that waits for the client to leave and then cancels the
+    request's own task: the guard's attempts while the answer is prepared
+    (``guard``), then the relay of a released stream (``RelayResponse``), which
+    takes the same watch over. One task for both phases, not one each."""
+
+    __slots__ = ("_watcher", "complete", "gone", "on_gone", "task")
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.task = task
+        #: The client left (seen by the watcher, which then cancelled ``task``).
+        self.gone = False
+        #: The response is complete: a disconnect from now on is not a client leaving.
+        self.complete = False
+        #: Runs once, before the task is cancelled, when the client leaves.
+        self.on_gone: Callable[[], None] | None = None
+        self._watcher = task.get_loop().create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if self.complete:
+            # uvicorn answers receive() with http.disconnect once the response is
+            # complete: that is the end of a stream the client read, not a client
+            # that left (a keep-alive connection stays open after it).
+            return
+        self.gone = True
+        if self.on_gone is not None:
+            self.on_gone()
+        self.task.cancel()
+
+    def close(self) -> None:
+        self._watcher.cancel()
+
+    async def guard(self, work: Awaitable[Response]) -> Response:
+        """Await ``work``; cancel it (closing its upstream request) if the client
+        leaves, raising ClientGone. A RelayResponse result takes the watch over;
+        for any other the watch ends here."""
+        try:
+            result = await work
+        except asyncio.CancelledError:
+            if self.gone:
+                self.task.uncancel()
+                self.close()
+                raise ClientGone from None
+            self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        if self.gone:  # the client left just as the work finished
+            self.task.uncancel()
+            self.close()
+            if isinstance(result, RelayResponse) and result.on_close is not None:
+                result.on_close()  # a released stream nobody will read: close its upstream
+            raise ClientGone
+        if isinstance(result, RelayResponse):
+            result.watch = self
+        else:
+            self.close()
+        return result
+
+
 class RelayResponse(Response):
     def __init__(
         self,
@@ -45,6 +114,8 @@ class RelayResponse(Response):
         self.on_close = on_close
         #: Runs once, before the relay is cancelled, when the client disconnects.
         self.on_client_gone = on_client_gone
+        #: The request's ClientWatch, when one was watching already (else our own).
+        self.watch: ClientWatch | None = None
         self.status_code = status_code
         self.media_type = media_type
         self.background = None
@@ -54,26 +125,8 @@ class RelayResponse(Response):
             self.raw_headers.append((b"content-type", media_type.encode("latin-1")))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        current = asyncio.current_task()
-        assert current is not None
-        disconnected = False
-        complete = False
-
-        async def watch() -> None:
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            if complete:
-                # uvicorn answers receive() with http.disconnect once the response is
-                # complete: that is the end of a stream the client read, not a client
-                # that left (a keep-alive connection stays open after it).
-                return
-            disconnected = True
-            if self.on_client_gone is not None:
-                self.on_client_gone()
-            current.cancel()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
+        watch = self.watch or ClientWatch(receive)
+        watch.on_gone = self.on_client_gone
         try:
             await send(
                 {
@@ -88,15 +141,15 @@ class RelayResponse(Response):
             # connection) has woken the watcher but not yet been seen: let it run
             # before the last frame makes every receive() say "disconnect".
             await asyncio.sleep(0)
-            complete = True
+            watch.complete = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             if self.after_complete is not None:
                 await self.after_complete()
         except asyncio.CancelledError:
-            if not disconnected:
+            if not watch.gone:
                 raise  # the server is stopping this request, not the client
-            current.uncancel()
+            watch.task.uncancel()
         finally:
-            watcher.cancel()
+            watch.close()
             if self.on_close is not None:
                 self.on_close()
