@@ -5,8 +5,10 @@
 
 Every proxy is one process in front of the same aiohttp stub that answers
 instantly, so only the proxy's own cost shows. Interleaved and repeated: small
-non-streaming requests (~1.3 KB body) at c=1 and c=32, streams of 24 SSE events,
-and ~3 MB bodies (three base64 screenshots). Prints requests/s, p50/p99, the
+non-streaming requests (~1.3 KB body) at c=1 and c=32, streams of 24 SSE events
+(vLLM 0.32's own event bytes) written at once or paced (a token every 2 ms, as
+vLLM streams them: each event its own network read), and ~3 MB bodies (three
+base64 screenshots). Prints requests/s, p50/p99, the
 added latency against going direct, and each proxy's CPU time per request / per
 event (from /proc), in one table.
 """
@@ -285,6 +287,9 @@ def main() -> None:
         ("small, c=32", small_body(False), 32, 3000, 1),
         ("stream 24 events, c=1", small_body(True), 1, 500, 24),
         ("stream 24 events, c=32", small_body(True), 32, 1500, 24),
+        # As vLLM sends them: a token every 2 ms, each event its own network read.
+        ("stream 24 events paced, c=1", small_body(True, paced=True), 1, 150, 24),
+        ("stream 24 events paced, c=32", small_body(True, paced=True), 32, 900, 24),
         ("3 MB body, c=1", large, 1, 40, 1),
         ("3 MB body, c=32", large, 32, 320, 1),  # last: the peak RSS it leaves
     ]
