@@ -104,7 +104,10 @@ class Trace:
     request: GuardedRequest
     model: str  # bounded label value
     started: float
+    #: The conversation's fingerprint for salt reuse (None: not reused); read it
+    #: through ``Guard.conversation``, which computes it when not ``conversation_known``.
     conversation: str | None
+    conversation_known: bool
     upstream_s: float = 0.0
     attempts: int = 0
     degenerate_seen: bool = False
@@ -364,11 +367,14 @@ class Guard:
     ) -> Response:
         settings = self.settings.guard
         reuse_salts = settings.salt_reuse.enabled and self.mode is GuardMode.ENFORCE
+        # The fingerprint (a hash of the leading messages) is needed now only to route
+        # by conversation or to look up a remembered salt; with no salt remembered it
+        # is computed if and when a retry needs it (Guard.conversation).
         fingerprint = (
             conversation_key(
                 request.endpoint, request.body, request.client_salt, settings.salt_reuse
             )
-            if reuse_salts or self._route_by_conversation
+            if self._route_by_conversation or (reuse_salts and len(self.salts))
             else None
         )
         trace = Trace(
@@ -377,6 +383,7 @@ class Guard:
             model=self.metrics.model_label(request.model),
             started=started,
             conversation=fingerprint if reuse_salts else None,
+            conversation_known=fingerprint is not None or not reuse_salts,
         )
         self.budget.record_request()
         salt = request.client_salt
@@ -429,7 +436,7 @@ class Guard:
             self.metrics.degenerate.labels(trace.model, backend.name, kind).inc()
             self._capture(attempt, trace, kind)
             if attempt.salt is not None and attempt.salt != request.client_salt:
-                self.salts.forget(trace.conversation, attempt.salt)
+                self.salts.forget(self.conversation(trace), attempt.salt)
             if self.mode is not GuardMode.ENFORCE or not self._may_retry(trace, backend):
                 return await self._exhausted(attempt, trace)
             await attempt.discard()
@@ -440,6 +447,16 @@ class Guard:
             backend = self.pool.choose_retry(
                 backend, settings.retry_target, self.rng, failover=False
             )
+
+    def conversation(self, trace: Trace) -> str | None:
+        """The request's conversation fingerprint (None when salts are not reused)."""
+        if not trace.conversation_known:
+            request = trace.request
+            trace.conversation = conversation_key(
+                request.endpoint, request.body, request.client_salt, self.settings.guard.salt_reuse
+            )
+            trace.conversation_known = True
+        return trace.conversation
 
     def _failover_backend(self, failed: Backend, trace: Trace) -> Backend | None:
         """Another backend for an attempt that sent nothing, if one exists and retries remain."""
@@ -486,15 +503,16 @@ class Guard:
         every retry climbed the ladder)."""
         if trace.attempts + 1 >= self.settings.guard.max_attempts > 2:
             return fresh_salt(trace.request.client_salt)
-        remembered = self.salts.get(trace.conversation)
+        conversation = self.conversation(trace)
+        remembered = self.salts.get(conversation)
         if remembered is not None and remembered[0] != failed:
             self.metrics.salt_reuse.labels(trace.model, "retry").inc()
             salt, trace.rung = remembered
             return salt
-        if trace.conversation is None:
+        if conversation is None:
             return fresh_salt(trace.request.client_salt)
         trace.rung += 1
-        return self.ladder.rung(trace.conversation, trace.request.client_salt, trace.rung)
+        return self.ladder.rung(conversation, trace.request.client_salt, trace.rung)
 
     async def _exhausted(self, attempt: Attempt, trace: Trace) -> Response:
         kind = attempt.verdict.kind
@@ -630,7 +648,7 @@ class Guard:
         verdict = self._request_verdict(attempt, trace)
         salt = attempt.salt
         if verdict in ("clean", "recovered") and salt not in (None, trace.request.client_salt):
-            self.salts.remember(trace.conversation, salt, trace.rung)
+            self.salts.remember(self.conversation(trace), salt, trace.rung)
         headers = self._headers(attempt, trace, verdict)
         if attempt.stream is None:
             self._finish(trace, attempt.backend, verdict)

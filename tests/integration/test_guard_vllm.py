@@ -229,6 +229,36 @@ def test_agent_workload_direct_corrupt_gateway_clean(
     assert all((r.cached_tokens or 0) > 0 for r in direct if is_corrupt(r.text))
 
 
+def test_a_conversations_next_turn_starts_in_the_namespace_that_recovered_it(
+    vllm: RunningVLLM, gateway_for: GatewayFactory
+) -> None:
+    """Unsalted hits are poisoned here. Turn 1 comes back corrupt and is recovered
+    on a ladder rung, which the gateway remembers for the conversation; turn 2
+    (the same two leading messages, the fingerprint's default) starts on that rung
+    and is clean at its first attempt. The gateway computes the conversation's
+    fingerprint only when something can use it: turn 1 found the salt memory
+    empty and fingerprinted the conversation at its retry. Without the reuse,
+    turn 2 is poisoned again and takes 2 attempts."""
+    gateway = gateway_for(vllm.url, **GENEROUS_BUDGET)
+    assert len(gateway.runtime.guard.salts) == 0
+    messages = fresh_messages()
+    warm(vllm, messages)
+    poisoned = {"vllm_xargs": {"vg_poison_rate": 1.0, "vg_poison_unsalted_only": True,
+                               "vg_poison_kinds": "bang"}}  # fmt: skip
+    client = openai_client(gateway.url)
+    turns = []
+    for turn in range(2):
+        raw = client.chat.completions.with_raw_response.create(
+            model=vllm.model, max_tokens=16, temperature=0, extra_body=poisoned,
+            messages=[*messages, {"role": "assistant", "content": "Noted."},
+                      {"role": "user", "content": f"turn {turn}"}],
+        )  # fmt: skip
+        turns.append((raw.headers["x-vllm-guard-attempts"], raw.headers["x-vllm-guard-verdict"]))
+    assert turns == [("2", "recovered"), ("1", "clean")]
+    metrics = httpx.get(gateway.url + "/metrics").text
+    assert 'vllm_guard_salt_reuse_total{attempt="first",model="tiny"} 1.0' in metrics
+
+
 def test_a_conversations_retry_lands_in_the_namespace_another_gateway_warmed(
     vllm: RunningVLLM, gateway_for: GatewayFactory
 ) -> None:
