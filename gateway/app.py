@@ -236,8 +236,7 @@ def bearer_digest(scope: Scope) -> str | None:
     if _KEY_DIGEST in scope:
         digest: str | None = scope[_KEY_DIGEST]
         return digest
-    header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-    scheme, _, key = header.decode("latin-1").partition(" ")
+    scheme, _, key = (header_value(scope, b"authorization") or "").partition(" ")
     digest = hash_key(key.strip()) if scheme.lower() == "bearer" and key else None
     scope[_KEY_DIGEST] = digest
     return digest

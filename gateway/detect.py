@@ -459,8 +459,6 @@ class StreamInspector:
         #: From the stream's usage chunk (the gateway always asks for it), when it came.
         self.completion_tokens: int | None = None
         self.finished = False
-        #: Choice 0 has been seen: its text events may take ``feed_first_choice``.
-        self.has_first_choice = False
         #: Some punctuation run has reached a threshold: ``partial_verdict`` may find one.
         self.suspect = False
 
@@ -469,13 +467,18 @@ class StreamInspector:
         if state is None:
             state = _StreamChoice(PunctTracker(self.detector), PunctTracker(self.detector))
             self.choices[index] = state
-            self.has_first_choice = 0 in self.choices
         return state
+
+    @property
+    def has_first_choice(self) -> bool:
+        """Choice 0 has been seen: its text events may take ``feed_first_choice``."""
+        return 0 in self.choices
 
     def feed_first_choice(self, pieces: list[str]) -> None:
         """Text events of choice 0 (content, or a completion's text), in order, that
         carried nothing else: what ``feed`` does with each, done once for all."""
-        self._feed_text(self.choices[0].content, self.choices[0].content_parts, "".join(pieces))
+        first = self.choices[0]
+        self._feed_text(first.content, first.content_parts, "".join(pieces))
 
     def feed(self, chunk: Mapping[str, Any]) -> None:
         choices = chunk.get("choices")
@@ -558,9 +561,7 @@ class StreamInspector:
         if not self.suspect:
             return CLEAN
         for index, state in self.choices.items():
-            if (state.content.suspect or state.reasoning.suspect) and (
-                state.content.degenerate() or state.reasoning.degenerate()
-            ):
+            if state.content.degenerate() or state.reasoning.degenerate():
                 return Verdict(DegenerateKind.PUNCT_RUN, index)
         return CLEAN
 

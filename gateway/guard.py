@@ -371,9 +371,7 @@ class Guard:
         # by conversation or to look up a remembered salt; with no salt remembered it
         # is computed if and when a retry needs it (Guard.conversation).
         fingerprint = (
-            conversation_key(
-                request.endpoint, request.body, request.client_salt, settings.salt_reuse
-            )
+            self._fingerprint(request)
             if self._route_by_conversation or (reuse_salts and len(self.salts))
             else None
         )
@@ -448,13 +446,15 @@ class Guard:
                 backend, settings.retry_target, self.rng, failover=False
             )
 
+    def _fingerprint(self, request: GuardedRequest) -> str | None:
+        return conversation_key(
+            request.endpoint, request.body, request.client_salt, self.settings.guard.salt_reuse
+        )
+
     def conversation(self, trace: Trace) -> str | None:
         """The request's conversation fingerprint (None when salts are not reused)."""
         if not trace.conversation_known:
-            request = trace.request
-            trace.conversation = conversation_key(
-                request.endpoint, request.body, request.client_salt, self.settings.guard.salt_reuse
-            )
+            trace.conversation = self._fingerprint(trace.request)
             trace.conversation_known = True
         return trace.conversation
 
