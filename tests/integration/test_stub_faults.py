@@ -76,6 +76,52 @@ def test_mid_stream_drop_ends_with_inband_error(
     assert events[-1] == b"[DONE]"
 
 
+def test_a_backend_silent_before_release_is_a_504(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    """Headers and one event, then nothing: ``read_s`` of silence is a timeout, and
+    the backend's connection is closed (vLLM aborts a request whose client left)."""
+    gateway = gateway_for(stub.url, upstream={"timeouts": {"read_s": 0.5}})
+    started = time.perf_counter()
+    response, _ = stream_events(gateway.url, "stall-early")
+    assert response.status_code == 504
+    assert orjson.loads(response.read())["error"]["type"] == "timeout"
+    assert time.perf_counter() - started < 5
+    assert wait_for(lambda: stub.state.open_streams == 0, timeout_s=5)
+
+
+def test_a_backend_silent_after_release_ends_the_stream_in_band(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    gateway = gateway_for(
+        stub.url, upstream={"timeouts": {"read_s": 0.5}}, guard={"stream": {"holdback_chars": 8}}
+    )
+    started = time.perf_counter()
+    response, events = stream_events(gateway.url, "stall-late")
+    assert response.status_code == 200
+    assert b"button" in b"".join(events)  # released before the silence
+    assert error_of(events[-2])["type"] == "timeout"
+    assert events[-1] == b"[DONE]"
+    assert time.perf_counter() - started < 5
+    assert wait_for(lambda: stub.state.open_streams == 0, timeout_s=5)
+
+
+def test_read_timeout_is_the_longest_silence_not_the_streams_length(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    """40 events 50 ms apart (2.4 s in all) under a 0.3 s read timeout: the stream is
+    whole. The stall timer wakes several times while the stream runs and must re-arm
+    from the last read, not time the stream."""
+    gateway = gateway_for(
+        stub.url, upstream={"timeouts": {"read_s": 0.3}}, guard={"stream": {"holdback_chars": 8}}
+    )
+    response, events = stream_events(gateway.url, "slow-stream")
+    assert response.status_code == 200
+    assert sum(e.count(b"tick") for e in events) == 40
+    assert events[-1] == b"[DONE]"
+    assert not any(b'"error"' in e for e in events)
+
+
 @pytest.mark.parametrize("holdback", [0, 1024])
 def test_stream_ended_late_after_done_keeps_its_connection(
     stub: StubBackend, gateway_for: GatewayFactory, holdback: int

@@ -67,6 +67,8 @@ def build_app(state: StubState) -> Starlette:
         state.open_streams += 1
         try:
             yield chunk("", role=True)
+            if scenario == "stall-early":  # silent after its first event, headers sent
+                await asyncio.sleep(3600)
             if scenario == "sse-garbage":
                 yield b"data: {this is not json\n\n"
                 return
@@ -77,6 +79,8 @@ def build_app(state: StubState) -> Starlette:
             for word in CLEAN_WORDS:
                 yield chunk(word)
                 await asyncio.sleep(0.005)
+            if scenario == "stall-late":  # silent mid-answer, connection open
+                await asyncio.sleep(3600)
             if scenario == "sse-drop":
                 raise ConnectionResetError("stub drops the connection mid-stream")
             if scenario == "late-bang":
