@@ -122,7 +122,42 @@ class Trace:
     rung: int = 0
 
 
-@dataclass(slots=True)
+class StallWatch:
+    """The silence timeout of every stream this process reads, checked by one timer:
+    a stream that has waited ``stall_s`` for the backend's next bytes gets a timeout
+    from its pending read. Only time spent *waiting* on the backend counts: a relay
+    held up by a slow client is not a stalled backend. The timer runs while streams
+    are open, every ``stall_s / 4`` (at most 1 s), so a stall is seen within
+    1.25 x ``stall_s``: one timer per process instead of one per stream or per read."""
+
+    def __init__(self, stall_s: float) -> None:
+        self.stall_s = stall_s
+        self.period = min(stall_s / 4, 1.0)
+        self.streams: set[StreamState] = set()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, stream: StreamState) -> None:
+        self.streams.add(stream)
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.period, self._sweep)
+
+    def discard(self, stream: StreamState) -> None:
+        self.streams.discard(stream)
+
+    def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for stream in list(self.streams):
+            since = stream.waiting_since
+            if stream.response.closed:
+                self.streams.discard(stream)  # closed without close(): nothing to time
+            elif since and now - since >= self.stall_s:
+                self.streams.discard(stream)
+                stream.stalled(self.stall_s)
+        self._timer = loop.call_later(self.period, self._sweep) if self.streams else None
+
+
+@dataclass(slots=True, eq=False)
 class StreamState:
     """An upstream stream being read: what has been held back, and what it said."""
 
@@ -137,52 +172,39 @@ class StreamState:
     upstream_error: bool = False
     _body_ended: bool = False
     text_events: TextEventReader = field(default_factory=TextEventReader)
-    #: Longest wait for the backend's next bytes (``upstream.timeouts.read_s``);
-    #: None: not watched (``watch_stalls`` was not called).
-    stall_s: float | None = None
+    #: The process's StallWatch, once ``watch_stalls`` was called.
+    stall_watch: StallWatch | None = None
     #: Loop time at which the reader started waiting for the backend; 0: not waiting.
-    _waiting_since: float = 0.0
-    _stall_timer: asyncio.TimerHandle | None = None
+    waiting_since: float = 0.0
+    _clock: Callable[[], float] | None = None
 
     def ended(self) -> bool:
         return self.done or self.upstream_error
 
-    def watch_stalls(self, stall_s: float) -> None:
-        """Time out a backend that goes silent mid-stream, with one timer per stream
-        instead of aiohttp's ``sock_read`` timer, which is cancelled and re-armed on
-        every network read (a timer handle created and freed per streamed token: 5-7%
-        of a paced stream's gateway CPU, measured). The response head was read under
-        ``sock_read``; from here on the timer wakes once per ``stall_s`` and only
-        counts time spent *waiting* on the backend: a relay held up by a slow client
-        is not a stalled backend."""
+    def watch_stalls(self, watch: StallWatch) -> None:
+        """From here on ``watch`` times out a backend that goes silent mid-stream,
+        instead of aiohttp's ``sock_read`` timer (the response head was read under
+        it), which is cancelled and re-armed on every network read: a timer handle
+        created and freed per streamed token, 5-7% of a paced stream's gateway CPU."""
         connection = self.response.connection
         if connection is not None and connection.protocol is not None:
             connection.protocol.read_timeout = None
             connection.protocol.start_timeout()  # re-arms with None: drops the pending one
-        self.stall_s = stall_s
-        loop = asyncio.get_running_loop()
-        self._stall_timer = loop.call_at(loop.time() + stall_s, self._check_stall)
+        self.stall_watch = watch
+        self._clock = asyncio.get_running_loop().time
+        watch.add(self)
 
-    def _check_stall(self) -> None:
-        assert self.stall_s is not None
-        self._stall_timer = None
-        if self.response.closed or self.ended() or self._body_ended:
-            return
-        loop = asyncio.get_running_loop()
-        since, now = self._waiting_since, loop.time()
-        if since and now - since >= self.stall_s:
-            # What aiohttp's own sock_read timer does: the pending read raises.
-            self.response.content.set_exception(
-                aiohttp.ServerTimeoutError(f"no data from the backend for {self.stall_s:g} s")
-            )
-            return
-        self._stall_timer = loop.call_at((since or now) + self.stall_s, self._check_stall)
+    def stalled(self, silent_s: float) -> None:
+        """The backend said nothing for ``silent_s``: the pending read raises, as with
+        aiohttp's own sock_read timer (``transport_error``: UpstreamTimeout)."""
+        self.response.content.set_exception(
+            aiohttp.ServerTimeoutError(f"no data from the backend for {silent_s:g} s")
+        )
 
     def close(self) -> None:
         """Close the upstream response (its connection, unless read to the end)."""
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
+        if self.stall_watch is not None:
+            self.stall_watch.discard(self)
         self.response.close()
 
     async def finish_reading(self) -> None:
@@ -242,13 +264,13 @@ class StreamState:
             if self._body_ended and not self.ended():
                 raise UpstreamProtocolError("backend stream ended before [DONE]")
             return None
-        if self.stall_s is not None:
-            self._waiting_since = asyncio.get_running_loop().time()
+        if self._clock is not None:
+            self.waiting_since = self._clock()
         try:
             chunk = await self.response.content.readany()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise transport_error(self.backend, exc) from exc
-        self._waiting_since = 0.0
+        self.waiting_since = 0.0
         if chunk:
             return self.take(chunk)
         # The end of the body: an unterminated last event is still an event.
@@ -366,6 +388,7 @@ class Guard:
         self.version_of = version_of
         self.rng = rng or random.Random()
         self.budget = RetryBudget(settings.guard.budget)
+        self.stalls = StallWatch(settings.upstream.timeouts.read_s)
         self.salts = SaltMemory(settings.guard.salt_reuse)
         key = settings.guard.salt_reuse.key
         self.ladder = SaltLadder(key.get_secret_value().encode() if key is not None else None)
@@ -619,7 +642,7 @@ class Guard:
                     strip_usage=not request.client_wants_usage,
                     parser=SSEParser(self.settings.upstream.max_sse_event_bytes),
                 )
-                attempt.stream.watch_stalls(self.settings.upstream.timeouts.read_s)
+                attempt.stream.watch_stalls(self.stalls)
                 await self._hold_back(attempt, trace)
         except BaseException:
             if attempt.stream is not None:

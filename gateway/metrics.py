@@ -57,6 +57,14 @@ class Histogram(prometheus_client.Histogram):
         return remembered_child(self, super().labels, labelvalues, labelkwargs)
 
 
+class LiveGauge(Gauge):
+    """A Gauge whose ``labels()`` remembers each child (see ``Counter``); for the
+    gauges a request moves (children are never removed)."""
+
+    def labels(self, *labelvalues: object, **labelkwargs: object) -> Self:
+        return remembered_child(self, super().labels, labelvalues, labelkwargs)
+
+
 _Metric = TypeVar("_Metric", bound=MetricWrapperBase)
 
 
@@ -243,7 +251,7 @@ class Metrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
-        self.in_flight = Gauge(
+        self.in_flight = LiveGauge(
             "vllm_guard_requests_in_flight",
             "Guarded requests being worked on or streamed right now (a scaling signal).",
             ["endpoint"],

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import math
 import random
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -309,25 +310,34 @@ def connection_tokens(values: Iterable[str]) -> frozenset[str]:
 
 
 def forward_headers(
-    incoming: Iterable[tuple[str, str]],
+    incoming: Sequence[tuple[bytes, bytes]],
     *,
     request_id: str,
     api_key: str | None,
     drop: frozenset[str] = frozenset(),
 ) -> CIMultiDict[str]:
-    """Client request headers as the backend should see them; repeats kept in order."""
-    pairs = list(incoming)
-    named = connection_tokens(v for k, v in pairs if k.lower() == "connection")
+    """Client request headers (the ASGI scope's raw pairs) as the backend should see
+    them; repeats kept in order."""
+    skipped = _skipped_request_headers(drop)
+    if any(name.lower() == b"connection" for name, _ in incoming):
+        named = connection_tokens(
+            v.decode("latin-1") for k, v in incoming if k.lower() == b"connection"
+        )
+        skipped = skipped | {token.encode("latin-1") for token in named}
     out: CIMultiDict[str] = CIMultiDict()
-    for name, value in pairs:
+    for name, value in incoming:
         lower = name.lower()
-        if lower in HOP_BY_HOP or lower in drop or lower in named:
-            continue
-        out.add(lower, value)
+        if lower not in skipped:
+            out.add(lower.decode("latin-1"), value.decode("latin-1"))
     out["x-request-id"] = request_id
     if api_key is not None:
         out["authorization"] = f"Bearer {api_key}"
     return out
+
+
+@functools.cache
+def _skipped_request_headers(drop: frozenset[str]) -> frozenset[bytes]:
+    return frozenset(name.encode("latin-1") for name in HOP_BY_HOP | drop)
 
 
 _DROPPED_RESPONSE_HEADERS = HOP_BY_HOP | {"date", "server"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.metrics import Counter, Histogram
+from gateway.metrics import Counter, Histogram, LiveGauge
 
 
 def test_remembered_children_are_the_exported_ones() -> None:
@@ -17,7 +17,13 @@ def test_remembered_children_are_the_exported_ones() -> None:
     counter.labels("m", "recovered").inc(3)
     histogram.labels("m").observe(0.5)
     histogram.labels("m").observe(2.0)
+    gauge = LiveGauge("g", "help", ["endpoint"], registry=registry)
+    assert gauge.labels("chat") is gauge.labels("chat")
+    gauge.labels("chat").inc()
+    gauge.labels("chat").inc()
+    gauge.labels(endpoint="chat").dec()
     text = generate_latest(registry).decode()
+    assert 'g{endpoint="chat"} 1.0' in text
     assert 'c_total{model="m",verdict="clean"} 2.0' in text
     assert 'c_total{model="m",verdict="recovered"} 3.0' in text
     assert 'h_bucket{le="1.0",model="m"} 1.0' in text
