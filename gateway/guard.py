@@ -762,7 +762,8 @@ class Guard:
         state = attempt.stream
         assert state is not None
         inspector = state.inspector
-        inspect = self.mode is not GuardMode.OFF
+        # A stream that ended while held was judged whole then (``_hold_back``).
+        inspect = self.mode is not GuardMode.OFF and not state.ended()
         released_clean = not attempt.verdict.degenerate
         opened = time.perf_counter()
         try:

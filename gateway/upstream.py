@@ -16,11 +16,12 @@ import logging
 import math
 import random
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
+from yarl import URL
 
 from gateway.config import BackendRole, BackendSettings, RetryTarget, UpstreamSettings
 from gateway.errors import (
@@ -33,6 +34,9 @@ from gateway.errors import (
 from gateway.periodic import Periodic
 
 log = logging.getLogger(__name__)
+
+#: The paths guarded requests are sent to (a bounded set: their URLs are kept parsed).
+GUARDED_UPSTREAM_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 #: RFC 9110 hop-by-hop headers plus those the transport recomputes.
 HOP_BY_HOP = frozenset(
@@ -66,6 +70,8 @@ class Backend:
     failed_probes: int = 0
     #: Guarded requests this process has working on this backend right now.
     in_flight: int = 0
+    #: Parsed URLs of the guarded paths on this backend (``_url``).
+    parsed_urls: dict[str, URL] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -97,8 +103,8 @@ class Backend:
         (uvicorn, vLLM's server, closes after 5 s) fails before the backend has read
         anything; a replayable body is then sent once more, on a new connection.
         """
-        url = self.url + path + (f"?{params}" if params else "")
-        with map_transport_errors(self):
+        url = self._url(path, params)
+        try:
             try:
                 return await self.session.request(
                     method, url, headers=headers, data=body, allow_redirects=False
@@ -110,6 +116,18 @@ class Backend:
                 return await self.fresh_session.request(
                     method, url, headers=headers, data=body, allow_redirects=False
                 )
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise transport_error(self, exc) from exc
+
+    def _url(self, path: str, params: str) -> URL:
+        """The backend URL of a request; parsed once per path for the guarded paths
+        (aiohttp would parse the string on every request)."""
+        if params or path not in GUARDED_UPSTREAM_PATHS:
+            return URL(self.url + path + (f"?{params}" if params else ""))
+        url = self.parsed_urls.get(path)
+        if url is None:
+            url = self.parsed_urls[path] = URL(self.url + path)
+        return url
 
     async def probe_health(self, timeout_s: float) -> bool:
         try:
