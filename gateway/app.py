@@ -384,7 +384,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 api_key=settings.upstream.api_key,
                 drop=guarded_drop,
             )
-            watch = ClientWatch(receive)
+            watch = ClientWatch(scope, receive)
             response = await watch.guard(
                 runtime.guard.handle(parsed, headers, started, client_identity(scope))
             )

@@ -30,6 +30,7 @@ from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.errors import error_body
+from gateway.relay import DISCONNECT_HOOK, DisconnectHook
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,27 @@ async def service_unavailable(scope: Any, receive: Any, send: Any) -> None:
 httptools_impl.service_unavailable = service_unavailable  # type: ignore[attr-defined]
 
 
-class EdgeHttpToolsProtocol(HttpToolsProtocol):
+class DisconnectHookProtocol(HttpToolsProtocol):
+    """uvicorn's protocol, telling the app when a request's client leaves: each
+    request's scope carries a ``DisconnectHook`` (``gateway.relay``) that
+    ``connection_lost`` calls back while the response is incomplete."""
+
+    def on_headers_complete(self) -> None:
+        # The scope is this request's (on_message_begin made it); the cycle that
+        # super() creates shares it with the app.
+        self.scope[DISCONNECT_HOOK] = DisconnectHook()  # type: ignore[literal-required]
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        cycle = self.cycle
+        super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:  # lost before the response completed
+            hook = cycle.scope.get(DISCONNECT_HOOK)
+            if isinstance(hook, DisconnectHook) and hook.callback is not None:
+                hook.callback()
+
+
+class EdgeHttpToolsProtocol(DisconnectHookProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = edge_limits()

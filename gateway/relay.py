@@ -29,30 +29,59 @@ class ClientGone(Exception):
     """The client disconnected before the response started."""
 
 
+#: ASGI scope key of the request's ``DisconnectHook``, under the gateway's own server
+#: protocol (``gateway.protocol``); under any other server ClientWatch watches
+#: ``receive()`` with a task instead.
+DISCONNECT_HOOK = "vllm_guard.disconnect_hook"
+
+
+class DisconnectHook:
+    """Set by the server protocol in each request's scope; the protocol calls
+    ``callback`` from ``connection_lost`` when the client's connection goes before
+    the response completed. The app learns that its client left without a task
+    waiting on ``receive()`` for the whole request (a task created, stepped and
+    cancelled per request)."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self) -> None:
+        self.callback: Callable[[], None] | None = None
+
+
 class ClientWatch:
-    """One task per request that waits for the client to leave and then cancels the
-    request's own task: the guard's attempts while the answer is prepared
-    (``guard``), then the relay of a released stream (``RelayResponse``), which
-    takes the same watch over. One task for both phases, not one each."""
+    """Cancels the request's own task when the client leaves: the guard's attempts
+    while the answer is prepared (``guard``), then the relay of a released stream
+    (``RelayResponse``), which takes the same watch over. Told by the server
+    protocol's ``DisconnectHook`` where there is one, else by one watcher task per
+    request that waits on ``receive()``; one for both phases, not one each."""
 
-    __slots__ = ("_watcher", "complete", "gone", "on_gone", "task")
+    __slots__ = ("_hook", "_watcher", "complete", "gone", "on_gone", "task")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, scope: Scope, receive: Receive) -> None:
         task = asyncio.current_task()
         assert task is not None
         self.task = task
-        #: The client left (seen by the watcher, which then cancelled ``task``).
+        #: The client left (and ``task`` was cancelled).
         self.gone = False
         #: The response is complete: a disconnect from now on is not a client leaving.
         self.complete = False
         #: Runs once, before the task is cancelled, when the client leaves.
         self.on_gone: Callable[[], None] | None = None
-        self._watcher = task.get_loop().create_task(self._watch(receive))
+        hook = scope.get(DISCONNECT_HOOK)
+        self._hook: DisconnectHook | None = hook if isinstance(hook, DisconnectHook) else None
+        self._watcher: asyncio.Task[None] | None = None
+        if self._hook is not None:
+            self._hook.callback = self._client_left
+        else:
+            self._watcher = task.get_loop().create_task(self._watch(receive))
 
     async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if self.complete:
+        self._client_left()
+
+    def _client_left(self) -> None:
+        if self.complete or self.gone:
             # uvicorn answers receive() with http.disconnect once the response is
             # complete: that is the end of a stream the client read, not a client
             # that left (a keep-alive connection stays open after it).
@@ -63,7 +92,10 @@ class ClientWatch:
         self.task.cancel()
 
     def close(self) -> None:
-        self._watcher.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._hook is not None:
+            self._hook.callback = None
 
     async def guard(self, work: Awaitable[Response]) -> Response:
         """Await ``work``; cancel it (closing its upstream request) if the client
@@ -125,7 +157,7 @@ class RelayResponse(Response):
             self.raw_headers.append((b"content-type", media_type.encode("latin-1")))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watch = self.watch or ClientWatch(receive)
+        watch = self.watch or ClientWatch(scope, receive)
         watch.on_gone = self.on_client_gone
         try:
             await send(

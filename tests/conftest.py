@@ -141,8 +141,13 @@ def gateway_for() -> Iterator[GatewayFactory]:
     """Start gateways with given backends and settings sections; stopped after the test."""
     started: list[GatewayServer] = []
 
-    def start(backend_urls: list[str] | str, **sections: Any) -> GatewayServer:
-        server = GatewayServer(gateway_settings(backend_urls, **sections)).__enter__()
+    def start(
+        backend_urls: list[str] | str, http_protocol: Any = None, **sections: Any
+    ) -> GatewayServer:
+        settings = gateway_settings(backend_urls, **sections)
+        server = (
+            GatewayServer(settings, http_protocol) if http_protocol else GatewayServer(settings)
+        ).__enter__()
         started.append(server)
         return server
 

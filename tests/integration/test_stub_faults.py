@@ -10,8 +10,10 @@ from collections.abc import Iterator
 import httpx
 import orjson
 import pytest
-from conftest import GatewayFactory, wait_for
+from conftest import GatewayFactory, scraped_metric, wait_for
 from support.stub_backend import StubBackend
+
+from gateway.protocol import DisconnectHookProtocol
 
 BODY = {"model": "stub", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -120,6 +122,44 @@ def test_read_timeout_is_the_longest_silence_not_the_streams_length(
     assert sum(e.count(b"tick") for e in events) == 40
     assert events[-1] == b"[DONE]"
     assert not any(b'"error"' in e for e in events)
+
+
+@pytest.mark.parametrize("http_protocol", ["hook", "auto"])
+def test_a_client_that_leaves_is_seen_under_either_server_protocol(
+    stub: StubBackend, gateway_for: GatewayFactory, http_protocol: str
+) -> None:
+    """The gateway learns that its client left from the server protocol's
+    ``DisconnectHook`` (``vllm-guard serve`` and the test gateways) or, under a plain
+    uvicorn, from a task watching ``receive()``: either way each departure is counted
+    once, in its phase, and the backend's request is closed."""
+    gateway = gateway_for(
+        stub.url,
+        http_protocol=DisconnectHookProtocol if http_protocol == "hook" else "auto",
+        guard={"stream": {"holdback_chars": 8}},
+    )
+
+    def left(phase: str) -> float:
+        return scraped_metric(gateway.url, "vllm_guard_client_disconnects_total", phase=phase)
+
+    with httpx.stream(
+        "POST", gateway.url + "/v1/chat/completions", json={**BODY, "stream": True},
+        headers={"x-stub-scenario": "slow-stream"}, timeout=30,
+    ) as response:  # fmt: skip
+        next(response.iter_raw())  # released; the stream runs 2 s more: leave now
+    assert wait_for(lambda: left("streaming") == 1, timeout_s=10)
+    assert wait_for(lambda: stub.state.open_streams == 0, timeout_s=10)
+
+    with pytest.raises(httpx.ReadTimeout):  # the backend never answers; leave after 0.5 s
+        httpx.post(
+            gateway.url + "/v1/chat/completions", json=BODY,
+            headers={"x-stub-scenario": "hang"}, timeout=0.5,
+        )  # fmt: skip
+    assert wait_for(lambda: left("before_response") == 1, timeout_s=10)
+    backends = gateway.runtime.pool.backends
+    assert wait_for(lambda: all(b.in_flight == 0 for b in backends), timeout_s=10)
+    stream_events(gateway.url, "clean")  # read to the end: no departure
+    time.sleep(0.3)
+    assert (left("streaming"), left("before_response")) == (1, 1)
 
 
 @pytest.mark.parametrize("holdback", [0, 1024])

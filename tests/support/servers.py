@@ -30,6 +30,7 @@ from gateway.localvllm import (
     vllm_python,
     wait_http,
 )
+from gateway.protocol import DisconnectHookProtocol
 
 __all__ = [
     "MODEL_NAME", "SUPPORT", "GatewayServer", "ThreadedServer", "VLLMServer", "ensure_model",
@@ -43,12 +44,14 @@ class ThreadedServer:
 
     (httpx's test conftest does the same: wait for ``started``, never sleep.)"""
 
-    def __init__(self, app: Any, port: int | None = None, *, grace_s: int = 5) -> None:
+    def __init__(
+        self, app: Any, port: int | None = None, *, grace_s: int = 5, http: Any = "auto"
+    ) -> None:
         self.app = app
         self.port = port or free_port()
         config = uvicorn.Config(
             app, host="127.0.0.1", port=self.port, log_level="warning", loop="asyncio",
-            lifespan="on", timeout_graceful_shutdown=grace_s,
+            lifespan="on", timeout_graceful_shutdown=grace_s, http=http,
         )  # fmt: skip
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()), daemon=True)
@@ -72,11 +75,14 @@ class ThreadedServer:
 
 
 class GatewayServer(ThreadedServer):
-    """The gateway app (``create_app(settings)``) on a real socket."""
+    """The gateway app (``create_app(settings)``) on a real socket, behind the server
+    protocol that tells it when a client leaves (``DisconnectHookProtocol``, which
+    ``vllm-guard serve`` runs too, with its edge limits on top); ``http="auto"``:
+    plain uvicorn, where the app watches ``receive()`` instead."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, http: Any = DisconnectHookProtocol) -> None:
         self.settings = settings
-        super().__init__(create_app(settings))
+        super().__init__(create_app(settings), http=http)
 
     @property
     def runtime(self) -> Any:
