@@ -49,7 +49,7 @@ from gateway.errors import (
 )
 from gateway.evidence import EvidenceRecord, EvidenceStore, prompt_fingerprint
 from gateway.metrics import Metrics
-from gateway.relay import RelayResponse, body_frame
+from gateway.relay import BodyWriter, RelayResponse, body_frame
 from gateway.request import GuardedRequest, attempt_overrides, body_with
 from gateway.retry import SaltMemory, conversation_key
 from gateway.salt import SaltLadder, fresh_salt
@@ -735,7 +735,7 @@ class Guard:
             max(0.0, now - trace.started - trace.upstream_s)
         )
         return RelayResponse(
-            lambda send: self._relay(attempt, trace, verdict, send),
+            lambda send, write_body: self._relay(attempt, trace, verdict, send, write_body),
             status_code=200,
             raw_headers=headers,
             media_type=SSE_MEDIA_TYPE,
@@ -757,8 +757,12 @@ class Guard:
         stream = "true" if request.stream else "false"
         self.metrics.client_disconnects.labels(model, request.endpoint, stream, phase).inc()
 
-    async def _relay(self, attempt: Attempt, trace: Trace, verdict: str, send: Send) -> None:
-        """Send the held bytes, then the rest of the stream as it arrives, watching it."""
+    async def _relay(
+        self, attempt: Attempt, trace: Trace, verdict: str, send: Send, write_body: BodyWriter
+    ) -> None:
+        """Send the held bytes, then the rest of the stream as it arrives, watching it:
+        each chunk written directly where the server allows (``write_body``), else
+        sent as an ASGI frame."""
         state = attempt.stream
         assert state is not None
         inspector = state.inspector
@@ -781,7 +785,9 @@ class Guard:
                             await send(body_frame(cut))
                             return
                 if forward:
-                    await send(body_frame(b"".join(forward)))
+                    data = forward[0] if len(forward) == 1 else b"".join(forward)
+                    if not write_body(data):
+                        await send(body_frame(data))
             if released_clean and inspect and state.done:
                 final = inspector.final_verdict()
                 if final.kind is not None:

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from uvicorn.protocols.http import httptools_impl
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.errors import error_body
-from gateway.relay import DISCONNECT_HOOK, DisconnectHook
+from gateway.relay import SERVER_HOOKS, BodyWriter, ServerHooks
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,27 +95,52 @@ async def service_unavailable(scope: Any, receive: Any, send: Any) -> None:
 httptools_impl.service_unavailable = service_unavailable  # type: ignore[attr-defined]
 
 
-class DisconnectHookProtocol(HttpToolsProtocol):
-    """uvicorn's protocol, telling the app when a request's client leaves: each
-    request's scope carries a ``DisconnectHook`` (``gateway.relay``) that
-    ``connection_lost`` calls back while the response is incomplete."""
+class ServerHooksProtocol(HttpToolsProtocol):
+    """uvicorn's protocol with ``ServerHooks`` (``gateway.relay``) in each request's
+    scope: the app is told from ``connection_lost`` when its client leaves before the
+    response completed, and may write a streamed response's chunks straight to the
+    transport (``direct_body_writer``)."""
 
     def on_headers_complete(self) -> None:
-        # The scope is this request's (on_message_begin made it); the cycle that
-        # super() creates shares it with the app.
-        self.scope[DISCONNECT_HOOK] = DisconnectHook()  # type: ignore[literal-required]
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # not an upgrade
+            # The app has not run yet: its task starts on the next loop iteration.
+            self.scope[SERVER_HOOKS] = ServerHooks(direct_body_writer(cycle))  # type: ignore[literal-required]
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle = self.cycle
         super().connection_lost(exc)
         if cycle is not None and cycle.disconnected:  # lost before the response completed
-            hook = cycle.scope.get(DISCONNECT_HOOK)
-            if isinstance(hook, DisconnectHook) and hook.callback is not None:
-                hook.callback()
+            hooks = cycle.scope.get(SERVER_HOOKS)
+            if isinstance(hooks, ServerHooks) and hooks.on_client_gone is not None:
+                hooks.on_client_gone()
 
 
-class EdgeHttpToolsProtocol(DisconnectHookProtocol):
+def direct_body_writer(cycle: RequestResponseCycle) -> BodyWriter:
+    """Writes a chunk of ``cycle``'s response as uvicorn's ``send()`` frames it in
+    chunked encoding, when ``send()`` would write it at once too: the response has
+    started chunked and is not complete, the client is there, and the connection is
+    not paused for flow control (``send()`` would wait for it to drain: False, and
+    the caller awaits ``send()``)."""
+    flow, transport = cycle.flow, cycle.transport
+
+    def write_body(chunk: bytes) -> bool:
+        if (
+            not cycle.chunked_encoding
+            or flow.write_paused
+            or cycle.disconnected
+            or cycle.response_complete
+        ):
+            return False
+        if chunk:  # an empty chunk would end the body: send() writes nothing for it
+            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        return True
+
+    return write_body
+
+
+class EdgeHttpToolsProtocol(ServerHooksProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = edge_limits()

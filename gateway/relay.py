@@ -29,23 +29,37 @@ class ClientGone(Exception):
     """The client disconnected before the response started."""
 
 
-#: ASGI scope key of the request's ``DisconnectHook``, under the gateway's own server
-#: protocol (``gateway.protocol``); under any other server ClientWatch watches
-#: ``receive()`` with a task instead.
-DISCONNECT_HOOK = "vllm_guard.disconnect_hook"
+#: ASGI scope key of the request's ``ServerHooks``, under the gateway's own server
+#: protocol (``gateway.protocol``). Under any other server ClientWatch watches
+#: ``receive()`` with a task and every body frame goes through ``send()``.
+SERVER_HOOKS = "vllm_guard.server_hooks"
+
+#: Writes one chunk of a started streamed response at once; False: use ``send()``.
+BodyWriter = Callable[[bytes], bool]
 
 
-class DisconnectHook:
-    """Set by the server protocol in each request's scope; the protocol calls
-    ``callback`` from ``connection_lost`` when the client's connection goes before
-    the response completed. The app learns that its client left without a task
-    waiting on ``receive()`` for the whole request (a task created, stepped and
-    cancelled per request)."""
+def never_direct(chunk: bytes) -> bool:
+    """The BodyWriter where the server offers none: every frame goes through send()."""
+    return False
 
-    __slots__ = ("callback",)
 
-    def __init__(self) -> None:
-        self.callback: Callable[[], None] | None = None
+class ServerHooks:
+    """What the gateway's server protocol offers a request beyond ASGI, in its scope.
+
+    ``on_client_gone``: set by the app, called from the protocol's
+    ``connection_lost`` while the response is incomplete, so the app learns that its
+    client left without a task waiting on ``receive()`` (a task created, stepped and
+    cancelled per request). ``write_body``: writes one chunk of a started chunked
+    response to the transport at once, as ``send()`` would frame it, without an
+    ASGI message and an await per streamed event; False when ``send()`` must take
+    it (the connection is paused for flow control, the client is gone, the
+    response is not a started chunked one)."""
+
+    __slots__ = ("on_client_gone", "write_body")
+
+    def __init__(self, write_body: BodyWriter = never_direct) -> None:
+        self.on_client_gone: Callable[[], None] | None = None
+        self.write_body = write_body
 
 
 class ClientWatch:
@@ -55,7 +69,7 @@ class ClientWatch:
     protocol's ``DisconnectHook`` where there is one, else by one watcher task per
     request that waits on ``receive()``; one for both phases, not one each."""
 
-    __slots__ = ("_hook", "_watcher", "complete", "gone", "on_gone", "task")
+    __slots__ = ("_hooks", "_watcher", "complete", "gone", "on_gone", "task")
 
     def __init__(self, scope: Scope, receive: Receive) -> None:
         task = asyncio.current_task()
@@ -67,11 +81,11 @@ class ClientWatch:
         self.complete = False
         #: Runs once, before the task is cancelled, when the client leaves.
         self.on_gone: Callable[[], None] | None = None
-        hook = scope.get(DISCONNECT_HOOK)
-        self._hook: DisconnectHook | None = hook if isinstance(hook, DisconnectHook) else None
+        hooks = scope.get(SERVER_HOOKS)
+        self._hooks: ServerHooks | None = hooks if isinstance(hooks, ServerHooks) else None
         self._watcher: asyncio.Task[None] | None = None
-        if self._hook is not None:
-            self._hook.callback = self._client_left
+        if self._hooks is not None:
+            self._hooks.on_client_gone = self._client_left
         else:
             self._watcher = task.get_loop().create_task(self._watch(receive))
 
@@ -94,8 +108,8 @@ class ClientWatch:
     def close(self) -> None:
         if self._watcher is not None:
             self._watcher.cancel()
-        if self._hook is not None:
-            self._hook.callback = None
+        if self._hooks is not None:
+            self._hooks.on_client_gone = None
 
     async def guard(self, work: Awaitable[Response]) -> Response:
         """Await ``work``; cancel it (closing its upstream request) if the client
@@ -129,7 +143,7 @@ class ClientWatch:
 class RelayResponse(Response):
     def __init__(
         self,
-        pump: Callable[[Send], Awaitable[None]],
+        pump: Callable[[Send, BodyWriter], Awaitable[None]],
         *,
         status_code: int = 200,
         raw_headers: Sequence[tuple[bytes, bytes]] = (),
@@ -138,7 +152,8 @@ class RelayResponse(Response):
         on_close: Callable[[], None] | None = None,
         on_client_gone: Callable[[], None] | None = None,
     ) -> None:
-        #: Sends the body frames (``body_frame``); the last, empty frame is ours.
+        #: Sends the body frames: each through the BodyWriter, or where it says
+        #: False as a ``body_frame`` through send(); the last, empty frame is ours.
         self.pump = pump
         #: Awaited once the client has the whole response (not after a disconnect).
         self.after_complete = after_complete
@@ -167,7 +182,10 @@ class RelayResponse(Response):
                     "headers": self.raw_headers,
                 }
             )
-            await self.pump(send)
+            hooks = scope.get(SERVER_HOOKS)
+            await self.pump(
+                send, hooks.write_body if isinstance(hooks, ServerHooks) else never_direct
+            )
             # A pump that found every chunk already buffered never waited, so a
             # client that left meanwhile (the server drops sends to a closed
             # connection) has woken the watcher but not yet been seen: let it run

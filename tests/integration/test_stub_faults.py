@@ -13,7 +13,7 @@ import pytest
 from conftest import GatewayFactory, scraped_metric, wait_for
 from support.stub_backend import StubBackend
 
-from gateway.protocol import DisconnectHookProtocol
+from gateway.protocol import ServerHooksProtocol
 
 BODY = {"model": "stub", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -129,12 +129,12 @@ def test_a_client_that_leaves_is_seen_under_either_server_protocol(
     stub: StubBackend, gateway_for: GatewayFactory, http_protocol: str
 ) -> None:
     """The gateway learns that its client left from the server protocol's
-    ``DisconnectHook`` (``vllm-guard serve`` and the test gateways) or, under a plain
+    ``ServerHooks`` (``vllm-guard serve`` and the test gateways) or, under a plain
     uvicorn, from a task watching ``receive()``: either way each departure is counted
     once, in its phase, and the backend's request is closed."""
     gateway = gateway_for(
         stub.url,
-        http_protocol=DisconnectHookProtocol if http_protocol == "hook" else "auto",
+        http_protocol=ServerHooksProtocol if http_protocol == "hook" else "auto",
         guard={"stream": {"holdback_chars": 8}},
     )
 
@@ -160,6 +160,32 @@ def test_a_client_that_leaves_is_seen_under_either_server_protocol(
     stream_events(gateway.url, "clean")  # read to the end: no departure
     time.sleep(0.3)
     assert (left("streaming"), left("before_response")) == (1, 1)
+
+
+def test_a_client_that_reads_slowly_gets_every_event_in_order(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    """8 MB of events while the client reads nothing for a second: the gateway's
+    socket buffer fills, the server pauses writing, and chunks that were written
+    directly (``ServerHooks.write_body``) and those sent after the pause through
+    ``send()`` (which waits for the drain) arrive complete and in order."""
+    gateway = gateway_for(stub.url)
+    with httpx.stream(
+        "POST", gateway.url + "/v1/chat/completions", json={**BODY, "stream": True},
+        headers={"x-stub-scenario": "flood"}, timeout=60,
+    ) as response:  # fmt: skip
+        assert response.status_code == 200
+        time.sleep(1.0)
+        data = response.read()
+    events = [e[len(b"data: ") :] for e in data.split(b"\n\n") if e.startswith(b"data: ")]
+    texts = [
+        c["delta"].get("content", "")
+        for e in events[:-1]
+        for c in orjson.loads(e).get("choices", [])
+    ]
+    numbered = [t[:6] for t in texts if t[:6].isdigit()]
+    assert numbered == [f"{i:06d}" for i in range(8000)]
+    assert events[-1] == b"[DONE]"
 
 
 @pytest.mark.parametrize("holdback", [0, 1024])

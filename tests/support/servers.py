@@ -30,7 +30,7 @@ from gateway.localvllm import (
     vllm_python,
     wait_http,
 )
-from gateway.protocol import DisconnectHookProtocol
+from gateway.protocol import ServerHooksProtocol
 
 __all__ = [
     "MODEL_NAME", "SUPPORT", "GatewayServer", "ThreadedServer", "VLLMServer", "ensure_model",
@@ -76,11 +76,11 @@ class ThreadedServer:
 
 class GatewayServer(ThreadedServer):
     """The gateway app (``create_app(settings)``) on a real socket, behind the server
-    protocol that tells it when a client leaves (``DisconnectHookProtocol``, which
+    protocol that tells it when a client leaves (``ServerHooksProtocol``, which
     ``vllm-guard serve`` runs too, with its edge limits on top); ``http="auto"``:
     plain uvicorn, where the app watches ``receive()`` instead."""
 
-    def __init__(self, settings: Settings, http: Any = DisconnectHookProtocol) -> None:
+    def __init__(self, settings: Settings, http: Any = ServerHooksProtocol) -> None:
         self.settings = settings
         super().__init__(create_app(settings), http=http)
 

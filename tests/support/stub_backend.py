@@ -67,6 +67,9 @@ def build_app(state: StubState) -> Starlette:
         state.open_streams += 1
         try:
             yield chunk("", role=True)
+            if scenario == "flood":  # 8 MB as fast as the stub can write it
+                for i in range(8000):
+                    yield chunk(f"{i:06d} " + "lorem ipsum dolor sit amet " * 36)
             if scenario == "stall-early":  # silent after its first event, headers sent
                 await asyncio.sleep(3600)
             if scenario == "sse-garbage":

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from starlette.types import Message, Send
 
-from gateway.relay import RelayResponse, body_frame
+from gateway.relay import BodyWriter, RelayResponse, body_frame
 
 
 class Connection:
@@ -45,7 +45,7 @@ def relay_of(
 ) -> tuple[RelayResponse, list[str]]:
     events: list[str] = []
 
-    async def pump(send: Send) -> None:
+    async def pump(send: Send, write_body: BodyWriter) -> None:
         async for chunk in chunks:
             await send(body_frame(chunk))
 
