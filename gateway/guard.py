@@ -296,9 +296,10 @@ class StreamState:
         pieces: list[str] = []
         start = pos = 0  # chunk[start:pos] is forwarded unchanged
         end = len(chunk)
+        first_choice_seen = inspector.has_first_choice  # changes only in accept()
         while pos < end:
             try:
-                found = read_text(chunk, pos) if inspector.has_first_choice else None
+                found = read_text(chunk, pos) if first_choice_seen else None
             except NotText:
                 raise UpstreamProtocolError("backend sent an SSE event that is not JSON") from None
             if found is not None:
@@ -315,6 +316,7 @@ class StreamState:
                 if pos > start:
                     forward.append(chunk[start:pos])
                 start = stop + 2
+            first_choice_seen = inspector.has_first_choice
             pos = stop + 2
         if pieces:
             inspector.feed_first_choice(pieces)

@@ -8,6 +8,7 @@ worker starts, and ``render`` merges every worker's files, so totals add up.
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -51,10 +52,21 @@ class Counter(prometheus_client.Counter):
 
 
 class Histogram(prometheus_client.Histogram):
-    """A Histogram whose ``labels()`` remembers each child (see ``Counter``)."""
+    """A Histogram whose ``labels()`` remembers each child (see ``Counter``) and whose
+    ``observe`` finds the bucket by bisection: prometheus_client walks the bounds
+    one by one (22 here), about 1.5 µs per observation, five per request."""
 
     def labels(self, *labelvalues: object, **labelkwargs: object) -> Self:
         return remembered_child(self, super().labels, labelvalues, labelkwargs)
+
+    def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
+        if exemplar or amount != amount:  # exemplars, NaN: prometheus_client's own way
+            super().observe(amount, exemplar)
+            return
+        self._raise_if_not_observable()  # type: ignore[no-untyped-call]
+        self._sum.inc(amount)
+        # The first bound >= amount: the bucket prometheus_client's walk stops at.
+        self._buckets[bisect.bisect_left(self._upper_bounds, amount)].inc(1)
 
 
 class LiveGauge(Gauge):

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import prometheus_client
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.metrics import Counter, Histogram, LiveGauge
+from gateway.metrics import DURATION_BUCKETS, Counter, Histogram, LiveGauge
+
+BOUNDS = [float(b) for b in DURATION_BUCKETS]
 
 
 def test_remembered_children_are_the_exported_ones() -> None:
@@ -40,3 +45,25 @@ def test_fix_status_is_read_from_a_backends_metrics() -> None:
     # a status this gateway does not know is not taken for a working fix
     assert parse_fix_status(line.replace(b"active", b"maybe")) == "refused"
     assert parse_fix_status(line.replace(b"} 1.0", b"} 0.0")) == "absent"
+
+
+@settings(max_examples=300, derandomize=True)
+@given(st.lists(st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(BOUNDS)))
+def test_bisected_histogram_buckets_are_prometheus_clients(amounts: list[float]) -> None:
+    """Same exposition as prometheus_client's own Histogram for any observations,
+    bounds themselves, negatives, infinities and NaN included (seeded)."""
+    ours_registry, theirs_registry = CollectorRegistry(), CollectorRegistry()
+    ours = Histogram("h", "help", ["m"], buckets=DURATION_BUCKETS, registry=ours_registry)
+    theirs = prometheus_client.Histogram(
+        "h", "help", ["m"], buckets=DURATION_BUCKETS, registry=theirs_registry
+    )
+    for amount in amounts:
+        ours.labels("x").observe(amount)
+        theirs.labels("x").observe(amount)
+    assert exposition(ours_registry) == exposition(theirs_registry)
+
+
+def exposition(registry: CollectorRegistry) -> list[str]:
+    """The samples, without the creation timestamps (when each histogram was made)."""
+    text = generate_latest(registry).decode()
+    return [line for line in text.splitlines() if "_created" not in line]
