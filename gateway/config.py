@@ -63,7 +63,9 @@ class BackendSettings(_Strict):
 class TimeoutSettings(_Strict):
     connect_s: Annotated[float, Field(gt=0)] = 5.0
     #: Longest silence between two reads of an upstream response. Long generations
-    #: stream tokens continuously; a non-streaming request is silent until done.
+    #: stream tokens continuously; a non-streaming request is silent until done. A
+    #: stream's silence is checked by one timer per process (``StallWatch``) and seen
+    #: within 1.25 x ``read_s``; the time a slow client holds the relay up is not counted.
     read_s: Annotated[float, Field(gt=0)] = 600.0
     #: Time to wait for a free connection from the pool.
     pool_s: Annotated[float, Field(gt=0)] = 30.0

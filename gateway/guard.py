@@ -291,21 +291,22 @@ class StreamState:
         if self.parser.pending or b"\r" in chunk:
             return self._take_parsed(chunk)
         inspector = self.inspector
-        read_text = self.text_events.read
+        read_texts = self.text_events.read_run
         forward: list[bytes] = []
         pieces: list[str] = []
         start = pos = 0  # chunk[start:pos] is forwarded unchanged
         end = len(chunk)
         first_choice_seen = inspector.has_first_choice  # changes only in accept()
         while pos < end:
-            try:
-                found = read_text(chunk, pos) if first_choice_seen else None
-            except NotText:
-                raise UpstreamProtocolError("backend sent an SSE event that is not JSON") from None
-            if found is not None:
-                pieces.append(found[0])
-                pos = found[1]
-                continue
+            if first_choice_seen:
+                try:
+                    pos = read_texts(chunk, pos, pieces)
+                except NotText:
+                    raise UpstreamProtocolError(
+                        "backend sent an SSE event that is not JSON"
+                    ) from None
+                if pos == end:
+                    break
             stop = chunk.find(b"\n\n", pos)
             if stop < 0:
                 break  # an event still arriving: the parser keeps it

@@ -13,7 +13,12 @@ half-sent connections stayed open indefinitely. ``EdgeHttpToolsProtocol``:
 * closes a connection whose body has not arrived within ``server.body_timeout_s``
   of its head (the app sees the client leave);
 * answers uvicorn's "too many connections" 503 (``server.max_connections``) in
-  OpenAI's error shape instead of plain text.
+  OpenAI's error shape instead of plain text;
+* and, from ``ServerHooksProtocol`` (which the test gateways run too), puts
+  ``ServerHooks`` in each request's scope: the app hears from ``connection_lost``
+  that its client left (no watcher task per request), and writes a released
+  stream's chunks straight to the transport while uvicorn's ``send()`` would write
+  them at once anyway (no ASGI message and await per streamed event).
 
 ``vllm-guard serve`` selects it (``http=EdgeHttpToolsProtocol``); each worker
 reads the limits from the settings the CLI resolved into its environment.

@@ -83,6 +83,48 @@ class TextEventReader:
         self.head: bytes | None = None
         self.tail = b""
 
+    def read_run(self, chunk: bytes, pos: int, pieces: list[str]) -> int:
+        """Read the text events that follow one another from ``chunk[pos]`` on (a
+        network read that brought many): their texts go to ``pieces``, the position
+        after the last is returned (``pos`` when none starts there). Raises NotText
+        as ``read`` does.
+
+        Once the stream's head and tail are known, a run is cut at them first and its
+        texts checked for plain text all at once (a text is plain exactly when the
+        run's texts joined are); a run with anything escaped is read event by event."""
+        head = self.head
+        if head is not None:
+            tail, head_len, tail_len = self.tail, len(head), len(self.tail)
+            raws: list[bytes] = []
+            at = pos
+            while chunk.startswith(head, at):
+                start = at + head_len
+                stop = chunk.find(tail, start)  # the tail starts with the closing quote
+                if stop < 0:
+                    break
+                raws.append(chunk[start:stop])
+                at = stop + tail_len
+            if len(raws) == 1:  # a paced stream's every read
+                if _PLAIN_TEXT.fullmatch(raws[0]) is not None:
+                    try:
+                        pieces.append(raws[0].decode())
+                    except UnicodeDecodeError:
+                        raise NotText from None
+                    return at
+            elif raws and _PLAIN_TEXT.fullmatch(b"".join(raws)) is not None:
+                try:
+                    pieces.extend(map(bytes.decode, raws))
+                except UnicodeDecodeError:
+                    raise NotText from None
+                return at
+        # The stream's first text event (head and tail not known yet), or a run with
+        # something escaped in it.
+        end = len(chunk)
+        while pos < end and (found := self.read(chunk, pos)) is not None:
+            pieces.append(found[0])
+            pos = found[1]
+        return pos
+
     def read(self, chunk: bytes, pos: int) -> tuple[str, int] | None:
         """The text of the text event starting at ``chunk[pos]`` and the position after
         it, or None if no text event starts there. Raises NotText for a text event
