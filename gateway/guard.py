@@ -231,11 +231,14 @@ class StreamState:
     def accept(self, event: SSEEvent) -> bytes | None:
         """Inspect one event; return the bytes to forward, or None to drop it."""
         raw, data = event
-        if data is None:
-            return raw  # comment or keep-alive
+        return raw if data is None or self.accept_data(data) else None
+
+    def accept_data(self, data: bytes) -> bool:
+        """Inspect one event's data; False: drop the event (a usage chunk the client
+        did not ask for)."""
         if data == DONE:
             self.done = True
-            return raw
+            return True
         try:
             payload = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -244,7 +247,7 @@ class StreamState:
             raise UpstreamProtocolError("backend sent an SSE event that is not a JSON object")
         if "error" in payload:
             self.upstream_error = True
-            return raw
+            return True
         if (raw_usage := payload.get("usage")) is not None:
             tokens = raw_usage.get("completion_tokens") if isinstance(raw_usage, dict) else None
             if isinstance(tokens, int):
@@ -253,9 +256,9 @@ class StreamState:
             if usage is not None:
                 self.usage = usage
                 if self.strip_usage and payload.get("choices") == []:
-                    return None
+                    return False
         self.inspector.feed(payload)
-        return raw
+        return True
 
     async def next_batch(self) -> list[bytes] | None:
         """The forwardable events of the next network chunk; None once the stream has
@@ -313,7 +316,11 @@ class StreamState:
             if pieces:
                 inspector.feed_first_choice(pieces)
                 pieces = []
-            if self.accept(lf_event(chunk[pos:stop])) is None:  # dropped
+            if chunk.startswith(b"data: ", pos) and chunk.find(b"\n", pos, stop) < 0:
+                keep = self.accept_data(chunk[pos + 6 : stop])  # one data line, as vLLM's
+            else:
+                keep = self.accept(lf_event(chunk[pos:stop])) is not None
+            if not keep:  # dropped
                 if pos > start:
                     forward.append(chunk[start:pos])
                 start = stop + 2

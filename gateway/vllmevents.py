@@ -93,32 +93,39 @@ class TextEventReader:
         texts checked for plain text all at once (a text is plain exactly when the
         run's texts joined are); a run with anything escaped is read event by event."""
         head = self.head
-        if head is not None:
-            tail, head_len, tail_len = self.tail, len(head), len(self.tail)
-            raws: list[bytes] = []
-            at = pos
-            while chunk.startswith(head, at):
-                start = at + head_len
-                stop = chunk.find(tail, start)  # the tail starts with the closing quote
-                if stop < 0:
-                    break
-                raws.append(chunk[start:stop])
-                at = stop + tail_len
-            if len(raws) == 1:  # a paced stream's every read
-                if _PLAIN_TEXT.fullmatch(raws[0]) is not None:
-                    try:
-                        pieces.append(raws[0].decode())
-                    except UnicodeDecodeError:
-                        raise NotText from None
-                    return at
-            elif raws and _PLAIN_TEXT.fullmatch(b"".join(raws)) is not None:
+        if head is None:  # the stream's first text event shows its head and tail
+            found = self.read(chunk, pos)
+            if found is None:
+                return pos
+            pieces.append(found[0])
+            pos, head = found[1], self.head
+            assert head is not None
+        tail, head_len, tail_len = self.tail, len(head), len(self.tail)
+        raws: list[bytes] = []
+        at = pos
+        while chunk.startswith(head, at):
+            start = at + head_len
+            stop = chunk.find(tail, start)  # the tail starts with the closing quote
+            if stop < 0:
+                break
+            raws.append(chunk[start:stop])
+            at = stop + tail_len
+        if not raws:
+            return pos
+        if len(raws) == 1:  # a paced stream's every read
+            if _PLAIN_TEXT.fullmatch(raws[0]) is not None:
                 try:
-                    pieces.extend(map(bytes.decode, raws))
+                    pieces.append(raws[0].decode())
                 except UnicodeDecodeError:
                     raise NotText from None
                 return at
-        # The stream's first text event (head and tail not known yet), or a run with
-        # something escaped in it.
+        elif _PLAIN_TEXT.fullmatch(b"".join(raws)) is not None:
+            try:
+                pieces.extend(map(bytes.decode, raws))
+            except UnicodeDecodeError:
+                raise NotText from None
+            return at
+        # Something escaped in the run: event by event.
         end = len(chunk)
         while pos < end and (found := self.read(chunk, pos)) is not None:
             pieces.append(found[0])
