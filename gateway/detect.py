@@ -477,8 +477,12 @@ class StreamInspector:
     def feed_first_choice(self, pieces: list[str]) -> None:
         """Text events of choice 0 (content, or a completion's text), in order, that
         carried nothing else: what ``feed`` does with each, done once for all."""
+        self.feed_first_text("".join(pieces))
+
+    def feed_first_text(self, text: str) -> None:
+        """One text event of choice 0 that carried nothing else (``feed_first_choice``)."""
         first = self.choices[0]
-        self._feed_text(first.content, first.content_parts, "".join(pieces))
+        self._feed_text(first.content, first.content_parts, text)
 
     def feed(self, chunk: Mapping[str, Any]) -> None:
         choices = chunk.get("choices")

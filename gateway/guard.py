@@ -291,7 +291,16 @@ class StreamState:
         forwarded as the chunk's own bytes; every other event goes through the SSE
         parser and ``accept``. A chunk that does not start on an event boundary or has
         CR line ends goes to the parser whole."""
-        if self.parser.pending or b"\r" in chunk:
+        if self.parser.pending:
+            return self._take_parsed(chunk)
+        try:
+            text = self.text_events.whole_event(chunk)
+        except NotText:
+            raise UpstreamProtocolError("backend sent an SSE event that is not JSON") from None
+        if text is not None:  # one text event: a paced stream's every read
+            self.inspector.feed_first_text(text)
+            return [chunk]
+        if b"\r" in chunk:
             return self._take_parsed(chunk)
         inspector = self.inspector
         read_texts = self.text_events.read_run

@@ -83,6 +83,26 @@ class TextEventReader:
         self.head: bytes | None = None
         self.tail = b""
 
+    def whole_event(self, chunk: bytes) -> str | None:
+        """The text of ``chunk`` when it is exactly one text event of this stream with
+        plain text (a paced stream's every read), else None. Plain text has no quote,
+        so the tail at the chunk's end is the event's own."""
+        head, tail = self.head, self.tail
+        if (
+            head is None
+            or len(chunk) < len(head) + len(tail)
+            or not chunk.startswith(head)
+            or not chunk.endswith(tail)
+        ):
+            return None
+        raw = chunk[len(head) : len(chunk) - len(tail)]
+        if _PLAIN_TEXT.fullmatch(raw) is None:
+            return None
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            raise NotText from None
+
     def read_run(self, chunk: bytes, pos: int, pieces: list[str]) -> int:
         """Read the text events that follow one another from ``chunk[pos]`` on (a
         network read that brought many): their texts go to ``pieces``, the position
