@@ -83,7 +83,7 @@ def test_a_backend_silent_before_release_is_a_504(
 ) -> None:
     """Headers and one event, then nothing: ``read_s`` of silence is a timeout, and
     the backend's connection is closed (vLLM aborts a request whose client left)."""
-    gateway = gateway_for(stub.url, upstream={"timeouts": {"read_s": 0.5}})
+    gateway = gateway_for(stub.url, upstream={"timeouts": {"read_s": 1.0}})
     started = time.perf_counter()
     response, _ = stream_events(gateway.url, "stall-early")
     assert response.status_code == 504
@@ -95,8 +95,10 @@ def test_a_backend_silent_before_release_is_a_504(
 def test_a_backend_silent_after_release_ends_the_stream_in_band(
     stub: StubBackend, gateway_for: GatewayFactory
 ) -> None:
+    # 1 s: far above the stub's 5 ms between words even on a loaded machine, so the
+    # answer is released before the silence.
     gateway = gateway_for(
-        stub.url, upstream={"timeouts": {"read_s": 0.5}}, guard={"stream": {"holdback_chars": 8}}
+        stub.url, upstream={"timeouts": {"read_s": 1.0}}, guard={"stream": {"holdback_chars": 8}}
     )
     started = time.perf_counter()
     response, events = stream_events(gateway.url, "stall-late")
@@ -111,11 +113,12 @@ def test_a_backend_silent_after_release_ends_the_stream_in_band(
 def test_read_timeout_is_the_longest_silence_not_the_streams_length(
     stub: StubBackend, gateway_for: GatewayFactory
 ) -> None:
-    """40 events 50 ms apart (2.4 s in all) under a 0.3 s read timeout: the stream is
-    whole. The stall timer wakes several times while the stream runs and must re-arm
-    from the last read, not time the stream."""
+    """40 events 50 ms apart (2.4 s in all) under a 1 s read timeout: the stream is
+    whole. The stall timer wakes every 0.25 s while the stream runs and must count
+    the wait for the next event, not time the stream. (1 s leaves a loaded machine
+    20 times the stub's gap.)"""
     gateway = gateway_for(
-        stub.url, upstream={"timeouts": {"read_s": 0.3}}, guard={"stream": {"holdback_chars": 8}}
+        stub.url, upstream={"timeouts": {"read_s": 1.0}}, guard={"stream": {"holdback_chars": 8}}
     )
     response, events = stream_events(gateway.url, "slow-stream")
     assert response.status_code == 200
