@@ -135,18 +135,22 @@ class StallWatch:
         self.period = min(stall_s / 4, 1.0)
         self.streams: set[StreamState] = set()
         self._timer: asyncio.TimerHandle | None = None
+        #: The event loop's clock (its ``time``), once a stream was added.
+        self.clock: Callable[[], float] = time.monotonic
 
     def add(self, stream: StreamState) -> None:
         self.streams.add(stream)
         if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.period, self._sweep)
+            loop = asyncio.get_running_loop()
+            self.clock = loop.time
+            self._timer = loop.call_later(self.period, self._sweep)
 
     def discard(self, stream: StreamState) -> None:
         self.streams.discard(stream)
 
     def _sweep(self) -> None:
         loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = self.clock()
         for stream in list(self.streams):
             since = stream.waiting_since
             if stream.response.closed:
@@ -176,7 +180,6 @@ class StreamState:
     stall_watch: StallWatch | None = None
     #: Loop time at which the reader started waiting for the backend; 0: not waiting.
     waiting_since: float = 0.0
-    _clock: Callable[[], float] | None = None
 
     def ended(self) -> bool:
         return self.done or self.upstream_error
@@ -191,7 +194,6 @@ class StreamState:
             connection.protocol.read_timeout = None
             connection.protocol.start_timeout()  # re-arms with None: drops the pending one
         self.stall_watch = watch
-        self._clock = asyncio.get_running_loop().time
         watch.add(self)
 
     def stalled(self, silent_s: float) -> None:
@@ -267,8 +269,8 @@ class StreamState:
             if self._body_ended and not self.ended():
                 raise UpstreamProtocolError("backend stream ended before [DONE]")
             return None
-        if self._clock is not None:
-            self.waiting_since = self._clock()
+        if self.stall_watch is not None:
+            self.waiting_since = self.stall_watch.clock()
         try:
             chunk = await self.response.content.readany()
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -289,8 +291,9 @@ class StreamState:
 
         vLLM's text events (``CONTENT_EVENT``) are read without parsing their JSON and
         forwarded as the chunk's own bytes; every other event goes through the SSE
-        parser and ``accept``. A chunk that does not start on an event boundary or has
-        CR line ends goes to the parser whole."""
+        parser and ``accept``. A chunk that is exactly one text event is taken whole
+        (``whole_event``); one that does not start on an event boundary or has CR line
+        ends goes to the parser whole."""
         if self.parser.pending:
             return self._take_parsed(chunk)
         try:

@@ -66,7 +66,7 @@ class ClientWatch:
     """Cancels the request's own task when the client leaves: the guard's attempts
     while the answer is prepared (``guard``), then the relay of a released stream
     (``RelayResponse``), which takes the same watch over. Told by the server
-    protocol's ``DisconnectHook`` where there is one, else by one watcher task per
+    protocol's ``ServerHooks`` where there are some, else by one watcher task per
     request that waits on ``receive()``; one for both phases, not one each."""
 
     __slots__ = ("_hooks", "_watcher", "complete", "gone", "on_gone", "task")

@@ -32,11 +32,12 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.periodic import Periodic
+from gateway.request import ENDPOINT_PATHS
 
 log = logging.getLogger(__name__)
 
 #: The paths guarded requests are sent to (a bounded set: their URLs are kept parsed).
-GUARDED_UPSTREAM_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+GUARDED_UPSTREAM_PATHS = frozenset(ENDPOINT_PATHS.values())
 
 #: RFC 9110 hop-by-hop headers plus those the transport recomputes.
 HOP_BY_HOP = frozenset(

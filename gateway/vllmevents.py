@@ -73,6 +73,17 @@ def piece_text(match: re.Match[bytes]) -> str:
         raise NotText from None
 
 
+def plain_text(raw: bytes) -> str | None:
+    """``raw`` decoded when it is plain JSON string contents (nothing escaped, so
+    nothing to unescape), else None. Raises NotText for invalid UTF-8."""
+    if _PLAIN_TEXT.fullmatch(raw) is None:
+        return None
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise NotText from None
+
+
 class TextEventReader:
     """Reads one stream's text events: ``CONTENT_EVENT``, then the stream's own head
     and tail once a first event showed them."""
@@ -95,13 +106,7 @@ class TextEventReader:
             or not chunk.endswith(tail)
         ):
             return None
-        raw = chunk[len(head) : len(chunk) - len(tail)]
-        if _PLAIN_TEXT.fullmatch(raw) is None:
-            return None
-        try:
-            return raw.decode()
-        except UnicodeDecodeError:
-            raise NotText from None
+        return plain_text(chunk[len(head) : len(chunk) - len(tail)])
 
     def read_run(self, chunk: bytes, pos: int, pieces: list[str]) -> int:
         """Read the text events that follow one another from ``chunk[pos]`` on (a
@@ -132,14 +137,7 @@ class TextEventReader:
             at = stop + tail_len
         if not raws:
             return pos
-        if len(raws) == 1:  # a paced stream's every read
-            if _PLAIN_TEXT.fullmatch(raws[0]) is not None:
-                try:
-                    pieces.append(raws[0].decode())
-                except UnicodeDecodeError:
-                    raise NotText from None
-                return at
-        elif _PLAIN_TEXT.fullmatch(b"".join(raws)) is not None:
+        if _PLAIN_TEXT.fullmatch(raws[0] if len(raws) == 1 else b"".join(raws)) is not None:
             try:
                 pieces.extend(map(bytes.decode, raws))
             except UnicodeDecodeError:
@@ -161,12 +159,9 @@ class TextEventReader:
             start = pos + len(head)
             stop = chunk.find(self.tail, start)  # the tail starts with the closing quote
             if stop >= 0:
-                raw = chunk[start:stop]
-                if _PLAIN_TEXT.fullmatch(raw) is not None:  # no quote: the first one closes
-                    try:
-                        return raw.decode(), stop + len(self.tail)
-                    except UnicodeDecodeError:
-                        raise NotText from None
+                text = plain_text(chunk[start:stop])  # no quote: the first one closes
+                if text is not None:
+                    return text, stop + len(self.tail)
         found = CONTENT_EVENT.match(chunk, pos)
         if found is None:
             return None
