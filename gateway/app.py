@@ -40,7 +40,7 @@ from gateway.errors import (
 from gateway.evidence import EvidenceStore
 from gateway.guard import Guard
 from gateway.metrics import Metrics
-from gateway.relay import ClientGone, ClientWatch
+from gateway.relay import ClientGone, ClientWatch, RelayResponse, hold_head
 from gateway.request import parse_guarded
 from gateway.scrape import BackendScraper
 from gateway.upstream import (
@@ -224,6 +224,8 @@ class GatewayApp(FastAPI):
                     except Exception:
                         log_unexpected(scope["path"])
                         response = internal_error_response()
+                    if not isinstance(response, RelayResponse):
+                        hold_head(scope)  # the whole body follows at once
                     await response(scope, receive, send)
                 finally:
                     if in_flight is not None:

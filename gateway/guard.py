@@ -758,6 +758,7 @@ class Guard:
         )
         return RelayResponse(
             lambda send, write_body: self._relay(attempt, trace, verdict, send, write_body),
+            body_ready=bool(attempt.stream.held),
             status_code=200,
             raw_headers=headers,
             media_type=SSE_MEDIA_TYPE,
@@ -781,10 +782,12 @@ class Guard:
 
     async def _relay(
         self, attempt: Attempt, trace: Trace, verdict: str, send: Send, write_body: BodyWriter
-    ) -> None:
+    ) -> bytes:
         """Send the held bytes, then the rest of the stream as it arrives, watching it:
         each chunk written directly where the server allows (``write_body``), else
-        sent as an ASGI frame."""
+        sent as an ASGI frame. The stream's last bytes (from the read that brought
+        ``[DONE]``, or a closing error event) are returned, to leave with the end of
+        the body in one write."""
         state = attempt.stream
         assert state is not None
         inspector = state.inspector
@@ -792,10 +795,15 @@ class Guard:
         inspect = self.mode is not GuardMode.OFF and not state.ended()
         released_clean = not attempt.verdict.degenerate
         opened = time.perf_counter()
+        last = b""
         try:
             if state.held:
-                await send(body_frame(b"".join(state.held)))
+                data = b"".join(state.held)
                 state.held.clear()
+                if state.ended():
+                    last = data
+                elif not write_body(data):
+                    await send(body_frame(data))
             while (forward := await state.next_batch()) is not None:
                 if released_clean and inspect and inspector.suspect:
                     late = inspector.partial_verdict()
@@ -804,11 +812,12 @@ class Guard:
                         verdict = "degenerate"
                         cut = self._late_corruption(attempt, trace, late.kind)
                         if cut is not None:
-                            await send(body_frame(cut))
-                            return
+                            return cut
                 if forward:
                     data = forward[0] if len(forward) == 1 else b"".join(forward)
-                    if not write_body(data):
+                    if state.ended():  # the stream's last bytes
+                        last = data
+                    elif not write_body(data):
                         await send(body_frame(data))
             if released_clean and inspect and state.done:
                 final = inspector.final_verdict()
@@ -817,14 +826,15 @@ class Guard:
                     self._late_corruption(attempt, trace, final.kind, ended=True)
         except GatewayError as exc:
             verdict = "error"
-            await send(body_frame(sse_error_event(exc)))
+            return last + sse_error_event(exc)
         except asyncio.CancelledError:
             if trace.client_gone:
                 raise  # counted as a disconnect; the verdict stands for what was sent
             # The shutdown grace ran out: end the stream in-band where the connection
             # still takes it, then let the cancellation go on.
             verdict = "error"
-            await send(body_frame(sse_error_event(ShuttingDown("the gateway is shutting down"))))
+            shutting_down = ShuttingDown("the gateway is shutting down")
+            await send(body_frame(last + sse_error_event(shutting_down)))
             raise
         finally:
             if not state.done:  # a complete stream is read to its end, then closed
@@ -837,6 +847,7 @@ class Guard:
                 verdict = "error"
             self._count_attempt(attempt, trace, degenerate=verdict == "degenerate")
             self._finish(trace, attempt.backend, verdict)
+        return last
 
     def _late_corruption(
         self, attempt: Attempt, trace: Trace, kind: DegenerateKind, *, ended: bool = False

@@ -43,6 +43,10 @@ def never_direct(chunk: bytes) -> bool:
     return False
 
 
+def no_hold() -> None:
+    """``hold_head`` where the server offers none: the head is written on its own."""
+
+
 class ServerHooks:
     """What the gateway's server protocol offers a request beyond ASGI, in its scope.
 
@@ -53,13 +57,27 @@ class ServerHooks:
     response to the transport at once, as ``send()`` would frame it, without an
     ASGI message and an await per streamed event; False when ``send()`` must take
     it (the connection is paused for flow control, the client is gone, the
-    response is not a started chunked one)."""
+    response is not a started chunked one). ``hold_head``: called just before
+    ``send()`` of ``http.response.start`` when body bytes follow without waiting:
+    the head then goes out in the same write as the first of them (one syscall,
+    not two)."""
 
-    __slots__ = ("on_client_gone", "write_body")
+    __slots__ = ("hold_head", "on_client_gone", "write_body")
 
-    def __init__(self, write_body: BodyWriter = never_direct) -> None:
+    def __init__(
+        self, write_body: BodyWriter = never_direct, hold_head: Callable[[], None] = no_hold
+    ) -> None:
         self.on_client_gone: Callable[[], None] | None = None
         self.write_body = write_body
+        self.hold_head = hold_head
+
+
+def hold_head(scope: Scope) -> None:
+    """Under the gateway's server protocol, the response head that ``send()`` writes
+    next leaves with the first body bytes (call only when they follow at once)."""
+    hooks = scope.get(SERVER_HOOKS)
+    if isinstance(hooks, ServerHooks):
+        hooks.hold_head()
 
 
 class ClientWatch:
@@ -143,8 +161,9 @@ class ClientWatch:
 class RelayResponse(Response):
     def __init__(
         self,
-        pump: Callable[[Send, BodyWriter], Awaitable[None]],
+        pump: Callable[[Send, BodyWriter], Awaitable[bytes]],
         *,
+        body_ready: bool = False,
         status_code: int = 200,
         raw_headers: Sequence[tuple[bytes, bytes]] = (),
         media_type: str | None = None,
@@ -153,8 +172,11 @@ class RelayResponse(Response):
         on_client_gone: Callable[[], None] | None = None,
     ) -> None:
         #: Sends the body frames: each through the BodyWriter, or where it says
-        #: False as a ``body_frame`` through send(); the last, empty frame is ours.
+        #: False as a ``body_frame`` through send(). Returns the body's last bytes,
+        #: which go out with its end in one write (``b""``: none kept back).
         self.pump = pump
+        #: The pump writes its first bytes without waiting: the head goes with them.
+        self.body_ready = body_ready
         #: Awaited once the client has the whole response (not after a disconnect).
         self.after_complete = after_complete
         #: Runs at the end whatever happened, even if ``pump`` never started.
@@ -174,7 +196,12 @@ class RelayResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = self.watch or ClientWatch(scope, receive)
         watch.on_gone = self.on_client_gone
+        hooks = scope.get(SERVER_HOOKS)
+        if not isinstance(hooks, ServerHooks):
+            hooks = None
         try:
+            if self.body_ready and hooks is not None:
+                hooks.hold_head()
             await send(
                 {
                     "type": "http.response.start",
@@ -182,17 +209,14 @@ class RelayResponse(Response):
                     "headers": self.raw_headers,
                 }
             )
-            hooks = scope.get(SERVER_HOOKS)
-            await self.pump(
-                send, hooks.write_body if isinstance(hooks, ServerHooks) else never_direct
-            )
+            last = await self.pump(send, never_direct if hooks is None else hooks.write_body)
             # A pump that found every chunk already buffered never waited, so a
             # client that left meanwhile (the server drops sends to a closed
             # connection) has woken the watcher but not yet been seen: let it run
             # before the last frame makes every receive() say "disconnect".
             await asyncio.sleep(0)
             watch.complete = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": last, "more_body": False})
             if self.after_complete is not None:
                 await self.after_complete()
         except asyncio.CancelledError:

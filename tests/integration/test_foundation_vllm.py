@@ -3,10 +3,12 @@ cache_salt passthrough, and client disconnect -> vLLM abort."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import openai
@@ -14,6 +16,8 @@ import pytest
 from conftest import GatewayFactory, RunningVLLM, openai_client, scraped_metric, wait_for
 from support.servers import GatewayServer
 from support.workload import long_prompt
+
+from gateway.protocol import ServerHooksProtocol
 
 pytestmark = pytest.mark.vllm
 
@@ -80,6 +84,59 @@ def connections_to(port: int) -> set[int]:
             elif fields[1] == server:  # the server's end
                 ports.add(int(fields[2].rsplit(":", 1)[1], 16))
     return ports
+
+
+class RecordingTransport:
+    """A connection's transport that records what the server writes to it."""
+
+    def __init__(self, transport: asyncio.Transport, writes: list[bytes]) -> None:
+        self.transport = transport
+        self.writes = writes
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self.transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
+def test_a_response_head_leaves_with_its_body(
+    vllm: RunningVLLM, gateway_for: GatewayFactory
+) -> None:
+    """uvicorn writes a response head on its own; the gateway's server protocol keeps
+    it for the body bytes that follow at once (``ServerHooks.hold_head``), and a
+    stream's last bytes leave with the end of its chunked body: an answer is one
+    write (one syscall, one segment), a stream's first write carries the head and
+    its held events, its last one ``[DONE]`` and the body's end."""
+    writes: list[bytes] = []
+
+    class RecordingProtocol(ServerHooksProtocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(RecordingTransport(transport, writes))  # type: ignore[arg-type]
+
+    gateway = gateway_for(vllm.url, http_protocol=RecordingProtocol)
+    client = openai_client(gateway.url)
+    ask: dict[str, Any] = {
+        "model": vllm.model, "messages": MESSAGES, "max_tokens": 48, "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }  # fmt: skip
+    whole = client.chat.completions.create(**ask)
+    assert len(writes) == 1
+    assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    head, _, body = writes[0].partition(b"\r\n\r\n")
+    assert json.loads(body)["choices"][0]["message"]["content"] == whole.choices[0].message.content
+
+    writes.clear()
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    head, _, held = writes[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"transfer-encoding: chunked" in head
+    assert held.split(b"\r\n", 2)[1].startswith(b"data: {")
+    assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert all(not w.startswith(b"0\r\n") for w in writes)  # no end on its own
 
 
 def test_streams_reuse_upstream_connections(vllm: RunningVLLM, gateway_for: GatewayFactory) -> None:

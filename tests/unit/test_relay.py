@@ -45,9 +45,10 @@ def relay_of(
 ) -> tuple[RelayResponse, list[str]]:
     events: list[str] = []
 
-    async def pump(send: Send, write_body: BodyWriter) -> None:
+    async def pump(send: Send, write_body: BodyWriter) -> bytes:
         async for chunk in chunks:
             await send(body_frame(chunk))
+        return b""
 
     relay = RelayResponse(
         pump,
