@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import logging
 import os
+import random
 import re
 import sys
 import time
@@ -75,6 +76,13 @@ def settings_from_environment() -> Settings:
 
 def error_response(exc: GatewayError) -> Response:
     return Response(exc.body(), status_code=exc.status, media_type=JSON_MEDIA_TYPE)
+
+
+def new_request_id() -> str:
+    """128 random bits in hex, for a request that came without an ``x-request-id``.
+    An identifier, not a secret: Python's generator (reseeded in every forked or
+    spawned worker) instead of a getrandom syscall per request."""
+    return f"{random.getrandbits(128):032x}"
 
 
 def header_value(scope: Scope, name: bytes) -> str | None:
@@ -375,7 +383,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def guarded(scope: Scope, receive: Receive, endpoint: str) -> Response:
         started = time.perf_counter()
         runtime: Runtime = scope["app"].runtime
-        request_id = header_value(scope, b"x-request-id") or os.urandom(16).hex()
+        request_id = header_value(scope, b"x-request-id") or new_request_id()
         logs.request_id.set(request_id)
         try:
             raw = await read_body(scope, receive, settings.server.max_body_bytes)
@@ -482,7 +490,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def proxy(request: Request, path: str) -> Response:
         """Any other path: proxied verbatim; the body read whole (bounded), reply streamed."""
         runtime = runtime_of(request)
-        request_id = request.headers.get("x-request-id") or os.urandom(16).hex()
+        request_id = request.headers.get("x-request-id") or new_request_id()
         logs.request_id.set(request_id)
         raw_path = request.scope.get("raw_path") or request.url.path.encode()
         try:

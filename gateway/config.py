@@ -267,7 +267,8 @@ class ServerSettings(_Strict):
     #: A connection must finish sending a request head this long after it opened (or
     #: after its last response); else it is closed (408 if it had started one).
     header_timeout_s: Annotated[float, Field(gt=0)] = 10.0
-    #: ...and a request body this long after its head; else it is closed.
+    #: ...and a request body this long after its head; else it is closed. Both are
+    #: checked by one sweep per worker, every quarter of the shorter (at most 1 s).
     body_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     #: Open client connections per worker; past it, new requests get a 503 in OpenAI's
     #: shape. null: half the open-file limit (the rest is for upstream connections).

@@ -11,7 +11,9 @@ half-sent connections stayed open indefinitely. ``EdgeHttpToolsProtocol``:
   ``server.header_timeout_s`` (from the connection, or from the last response:
   silent and half-sent connections alike), answering 408 if it had started one;
 * closes a connection whose body has not arrived within ``server.body_timeout_s``
-  of its head (the app sees the client leave);
+  of its head (the app sees the client leave); both timeouts are deadlines that
+  one sweep per event loop checks (``ConnectionDeadlines``), not timer handles
+  created and cancelled per request;
 * answers uvicorn's "too many connections" 503 (``server.max_connections``) in
   OpenAI's error shape instead of plain text;
 * and, from ``ServerHooksProtocol`` (which the test gateways run too), puts
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -187,30 +190,77 @@ def head_holder(cycle: RequestResponseCycle) -> Callable[[], None]:
     return hold_head
 
 
+class ConnectionDeadlines:
+    """The head and body timeouts of every connection one event loop serves, checked
+    by one timer: a timer handle created and cancelled twice per request (head, then
+    body) cost more than the check. The timer runs while connections are open,
+    every quarter of the shorter timeout (at most 1 s), so a timeout fires within
+    1.25 x its setting."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, period: float) -> None:
+        self.loop = loop
+        self.period = period
+        self.connections: set[EdgeHttpToolsProtocol] = set()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, connection: EdgeHttpToolsProtocol) -> None:
+        self.connections.add(connection)
+        if self._timer is None:
+            self._timer = self.loop.call_later(self.period, self._sweep)
+
+    def discard(self, connection: EdgeHttpToolsProtocol) -> None:
+        self.connections.discard(connection)
+
+    def _sweep(self) -> None:
+        now = self.loop.time()
+        for connection in list(self.connections):
+            if connection.deadline and now >= connection.deadline:
+                connection.timed_out()
+        self._timer = self.loop.call_later(self.period, self._sweep) if self.connections else None
+
+
+_deadlines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ConnectionDeadlines] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def connection_deadlines(
+    loop: asyncio.AbstractEventLoop, limits: EdgeLimits
+) -> ConnectionDeadlines:
+    """The loop's ``ConnectionDeadlines`` (one per event loop: a test may run several)."""
+    deadlines = _deadlines.get(loop)
+    if deadlines is None:
+        period = min(limits.header_timeout_s, limits.body_timeout_s, 4.0) / 4
+        deadlines = _deadlines[loop] = ConnectionDeadlines(loop, period)
+    return deadlines
+
+
 class EdgeHttpToolsProtocol(ServerHooksProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = edge_limits()
         self._head_bytes = 0
         self._reading_head = True
-        self._timer: asyncio.TimerHandle | None = None
+        self._deadlines = connection_deadlines(self.loop, self.limits)
+        #: Loop time by which the head (or body) must have arrived; 0: none pending.
+        self.deadline = 0.0
+        self._phase = "head"
 
-    # -- timers ------------------------------------------------------------------------
+    # -- timeouts ----------------------------------------------------------------------
 
     def _arm(self, delay: float, phase: str) -> None:
-        self._disarm()
-        self._timer = self.loop.call_later(delay, self._timed_out, phase)
+        self.deadline = self.loop.time() + delay
+        self._phase = phase
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.deadline = 0.0
 
-    def _timed_out(self, phase: str) -> None:
-        self._timer = None
+    def timed_out(self) -> None:
+        """Called by ``ConnectionDeadlines`` once ``deadline`` has passed."""
+        self.deadline = 0.0
         if self.transport.is_closing():
             return
-        if phase == "head" and self._head_bytes:
+        if self._phase == "head" and self._head_bytes:
             self.transport.write(
                 _raw_error(
                     408,
@@ -229,9 +279,11 @@ class EdgeHttpToolsProtocol(ServerHooksProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm(self.limits.header_timeout_s, "head")
+        self._deadlines.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._deadlines.discard(self)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -256,7 +308,7 @@ class EdgeHttpToolsProtocol(ServerHooksProtocol):
         super().on_message_begin()
         # A pipelined request's head is bounded and timed like any other.
         self._reading_head = True
-        if self._timer is None:
+        if not self.deadline:
             self._arm(self.limits.header_timeout_s, "head")
 
     def on_headers_complete(self) -> None:
