@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import lru_cache
@@ -83,6 +83,10 @@ class ChoiceOutput:
     tokens: int | None = None
 
 
+def _never_found(text: str) -> None:
+    """``Detector.find_candidate`` when every punctuation character is ignored."""
+
+
 class Detector:
     """Compiled detectors for one DetectorSettings; cheap to call, safe to share."""
 
@@ -96,11 +100,10 @@ class Detector:
             else None
         )
         self._deny = [re.compile(p) for p in settings.deny_patterns]
-        self._candidate = re.compile(f"[{escaped}]") if escaped else None
-
-    def has_candidate(self, text: str) -> bool:
-        """Whether ``text`` holds a punctuation character punct_run counts."""
-        return self._candidate is not None and self._candidate.search(text) is not None
+        #: The first punctuation character punct_run counts in a text, or None.
+        self.find_candidate: Callable[[str], re.Match[str] | None] = (
+            re.compile(f"[{escaped}]").search if escaped else _never_found
+        )
 
     # -- text detectors ---------------------------------------------------------
 
@@ -269,10 +272,13 @@ def trailing_run(text: str, candidates: frozenset[str]) -> int:
 
 def ends_in_loop(text: str, min_repeats: int, max_unit: int) -> bool:
     n = len(text)
-    for unit_len in range(1, max_unit + 1):
-        span = unit_len * min_repeats
-        if span > n:
-            break
+    last = text[-1:]
+    # A unit length can only work if the last character recurs that many places
+    # before it: only those are tried, shortest first (as ``repeats_itself`` does).
+    longest = min(max_unit, n // min_repeats)
+    before = n - 1
+    while last and (before := text.rfind(last, n - 1 - longest, before)) >= 0:
+        unit_len = n - 1 - before
         # Cheap test first: the last two units are equal (most texts fail here).
         if text[n - 2 * unit_len : n - unit_len] != text[n - unit_len :]:
             continue
@@ -281,7 +287,6 @@ def ends_in_loop(text: str, min_repeats: int, max_unit: int) -> bool:
             return True
     # One non-ASCII letter over and over ("我我我..."): twice the repeats, since a
     # short run can be legitimate ("哈哈哈" is laughter).
-    last = text[-1:]
     repeats = 2 * min_repeats
     return (
         bool(last)
@@ -375,10 +380,11 @@ class PunctTracker:
     suspect: bool = False
 
     def feed(self, text: str) -> None:
-        if not self.detector.has_candidate(text):
+        if self.detector.find_candidate(text) is None:
             # No punctuation that could form a run: count the visible characters and
-            # end the current run, without looking at each character.
-            visible = len(text) - sum(map(str.isspace, text))
+            # end the current run, without looking at each character. (str.split()
+            # splits at exactly the characters str.isspace() accepts.)
+            visible = len("".join(text.split()))
             if visible:
                 self.visible += visible
                 self.run_char, self.run = "", 0
@@ -480,9 +486,17 @@ class StreamInspector:
         self.feed_first_text("".join(pieces))
 
     def feed_first_text(self, text: str) -> None:
-        """One text event of choice 0 that carried nothing else (``feed_first_choice``)."""
-        first = self.choices[0]
-        self._feed_text(first.content, first.content_parts, text)
+        """One text event of choice 0 that carried nothing else (``feed_first_choice``):
+        ``_feed_text`` spelled out, as it runs once per streamed token."""
+        if text:
+            first = self.choices[0]
+            tracker = first.content
+            before = tracker.visible
+            tracker.feed(text)
+            first.content_parts.append(text)
+            self.visible_chars += tracker.visible - before
+            if tracker.suspect:
+                self.suspect = True
 
     def feed(self, chunk: Mapping[str, Any]) -> None:
         choices = chunk.get("choices")

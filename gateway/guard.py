@@ -62,7 +62,7 @@ from gateway.upstream import (
     response_headers,
     transport_error,
 )
-from gateway.vllmevents import NotText, TextEventReader
+from gateway.vllmevents import NotText, TextEventReader, string_contents
 
 log = logging.getLogger(__name__)
 
@@ -292,17 +292,28 @@ class StreamState:
         vLLM's text events (``CONTENT_EVENT``) are read without parsing their JSON and
         forwarded as the chunk's own bytes; every other event goes through the SSE
         parser and ``accept``. A chunk that is exactly one text event is taken whole
-        (``whole_event``); one that does not start on an event boundary or has CR line
+        (a paced stream's every read); one that does not start on an event boundary or has CR line
         ends goes to the parser whole."""
         if self.parser.pending:
             return self._take_parsed(chunk)
-        try:
-            text = self.text_events.whole_event(chunk)
-        except NotText:
-            raise UpstreamProtocolError("backend sent an SSE event that is not JSON") from None
-        if text is not None:  # one text event: a paced stream's every read
-            self.inspector.feed_first_text(text)
-            return [chunk]
+        events = self.text_events
+        head, tail = events.head, events.tail
+        if (
+            head is not None
+            and len(chunk) >= len(head) + len(tail)
+            and chunk.startswith(head)
+            and chunk.endswith(tail)
+        ):
+            # Exactly one text event of this stream if what lies between is one JSON
+            # string's contents (a paced stream's every read): they hold no unescaped
+            # quote, so the tail at the chunk's end is the event's own.
+            try:
+                text = string_contents(chunk[len(head) : len(chunk) - len(tail)])
+            except NotText:
+                raise UpstreamProtocolError("backend sent an SSE event that is not JSON") from None
+            if text is not None:
+                self.inspector.feed_first_text(text)
+                return [chunk]
         if b"\r" in chunk:
             return self._take_parsed(chunk)
         inspector = self.inspector
