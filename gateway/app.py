@@ -82,7 +82,7 @@ def new_request_id() -> str:
     """128 random bits in hex, for a request that came without an ``x-request-id``.
     An identifier, not a secret: Python's generator (reseeded in every forked or
     spawned worker) instead of a getrandom syscall per request."""
-    return f"{random.getrandbits(128):032x}"
+    return random.getrandbits(128).to_bytes(16).hex()
 
 
 def header_value(scope: Scope, name: bytes) -> str | None:

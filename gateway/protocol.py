@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +38,7 @@ from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.errors import error_body
-from gateway.relay import SERVER_HOOKS, BodyWriter, ServerHooks
+from gateway.relay import SERVER_HOOKS, ServerHooks
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,16 +106,15 @@ httptools_impl.service_unavailable = service_unavailable  # type: ignore[attr-de
 class ServerHooksProtocol(HttpToolsProtocol):
     """uvicorn's protocol with ``ServerHooks`` (``gateway.relay``) in each request's
     scope: the app is told from ``connection_lost`` when its client leaves before the
-    response completed, and may write a streamed response's chunks straight to the
-    transport (``direct_body_writer``)."""
+    response completed, may write a streamed response's chunks straight to the
+    transport, and may have a response head wait for the body (``CycleHooks``)."""
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # not an upgrade
             # The app has not run yet: its task starts on the next loop iteration.
-            hooks = ServerHooks(direct_body_writer(cycle), head_holder(cycle))
-            self.scope[SERVER_HOOKS] = hooks  # type: ignore[literal-required]
+            self.scope[SERVER_HOOKS] = CycleHooks(cycle)  # type: ignore[literal-required]
 
     def connection_lost(self, exc: Exception | None) -> None:
         cycle = self.cycle
@@ -127,18 +125,25 @@ class ServerHooksProtocol(HttpToolsProtocol):
                 hooks.on_client_gone()
 
 
-def direct_body_writer(cycle: RequestResponseCycle) -> BodyWriter:
-    """Writes a chunk of ``cycle``'s response as uvicorn's ``send()`` frames it in
-    chunked encoding, when ``send()`` would write it at once too: the response has
-    started chunked and is not complete, the client is there, and the connection is
-    not paused for flow control (``send()`` would wait for it to drain: False, and
-    the caller awaits ``send()``)."""
-    flow = cycle.flow
+class CycleHooks(ServerHooks):
+    """``ServerHooks`` of one uvicorn request-response cycle."""
 
-    def write_body(chunk: bytes) -> bool:
+    __slots__ = ("cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        super().__init__()
+        self.cycle = cycle
+
+    def write_body(self, chunk: bytes) -> bool:
+        """Writes a chunk as uvicorn's ``send()`` frames it in chunked encoding, when
+        ``send()`` would write it at once too: the response has started chunked and
+        is not complete, the client is there, and the connection is not paused for
+        flow control (``send()`` would wait for it to drain: False, and the caller
+        awaits ``send()``)."""
+        cycle = self.cycle
         if (
             not cycle.chunked_encoding
-            or flow.write_paused
+            or cycle.flow.write_paused
             or cycle.disconnected
             or cycle.response_complete
         ):
@@ -147,7 +152,12 @@ def direct_body_writer(cycle: RequestResponseCycle) -> BodyWriter:
             cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
         return True
 
-    return write_body
+    def hold_head(self) -> None:
+        """The head that ``send()`` writes next waits for the response's first body
+        bytes and goes out with them (``_HeadHolder``)."""
+        cycle = self.cycle
+        if not cycle.response_started and cycle.scope["method"] != "HEAD":
+            cycle.transport = _HeadHolder(cycle)  # type: ignore[assignment]
 
 
 class _HeadHolder:
@@ -177,17 +187,6 @@ class _HeadHolder:
         if self._head is not None and not self._transport.is_closing():
             self._transport.write(self._head)
         self._transport.close()
-
-
-def head_holder(cycle: RequestResponseCycle) -> Callable[[], None]:
-    """``ServerHooks.hold_head`` for ``cycle``: the head that ``send()`` writes next
-    waits for the response's first body bytes and goes out with them."""
-
-    def hold_head() -> None:
-        if not cycle.response_started and cycle.scope["method"] != "HEAD":
-            cycle.transport = _HeadHolder(cycle)  # type: ignore[assignment]
-
-    return hold_head
 
 
 class ConnectionDeadlines:

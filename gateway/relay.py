@@ -43,12 +43,9 @@ def never_direct(chunk: bytes) -> bool:
     return False
 
 
-def no_hold() -> None:
-    """``hold_head`` where the server offers none: the head is written on its own."""
-
-
 class ServerHooks:
-    """What the gateway's server protocol offers a request beyond ASGI, in its scope.
+    """What the gateway's server protocol offers a request beyond ASGI, in its scope;
+    this base offers nothing, the protocol's subclass (``gateway.protocol``) does.
 
     ``on_client_gone``: set by the app, called from the protocol's
     ``connection_lost`` while the response is incomplete, so the app learns that its
@@ -62,14 +59,16 @@ class ServerHooks:
     the head then goes out in the same write as the first of them (one syscall,
     not two)."""
 
-    __slots__ = ("hold_head", "on_client_gone", "write_body")
+    __slots__ = ("on_client_gone",)
 
-    def __init__(
-        self, write_body: BodyWriter = never_direct, hold_head: Callable[[], None] = no_hold
-    ) -> None:
+    def __init__(self) -> None:
         self.on_client_gone: Callable[[], None] | None = None
-        self.write_body = write_body
-        self.hold_head = hold_head
+
+    def write_body(self, chunk: bytes) -> bool:
+        return False
+
+    def hold_head(self) -> None:
+        pass
 
 
 def hold_head(scope: Scope) -> None:

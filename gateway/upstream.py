@@ -359,20 +359,22 @@ def _skipped_request_headers(drop: frozenset[str]) -> frozenset[bytes]:
     return frozenset(name.encode("latin-1") for name in HOP_BY_HOP | drop)
 
 
-_DROPPED_RESPONSE_HEADERS = HOP_BY_HOP | {"date", "server"}
+_DROPPED_RESPONSE_HEADERS = frozenset(
+    name.encode("latin-1") for name in HOP_BY_HOP | {"date", "server"}
+)
+_DROPPED_DECODED_RESPONSE_HEADERS = _DROPPED_RESPONSE_HEADERS | {b"content-encoding"}
 
 
 def response_headers(upstream: aiohttp.ClientResponse, *, keep_encoding: bool) -> RawHeaders:
     """The backend's response headers for the client: repeats (Set-Cookie, Vary) kept,
     hop-by-hop ones and those named in Connection dropped; our server adds its own
-    Date and Server."""
-    named = connection_tokens(upstream.headers.getall("connection", ()))
-    out: RawHeaders = []
-    for name, value in upstream.raw_headers:
-        lower = name.decode("latin-1").lower()
-        if lower in _DROPPED_RESPONSE_HEADERS or lower in named:
-            continue
-        if not keep_encoding and lower == "content-encoding":
-            continue
-        out.append((lower.encode("latin-1"), value))
-    return out
+    Date and Server. Names lower-cased (HTTP header names are ASCII tokens)."""
+    dropped = _DROPPED_RESPONSE_HEADERS if keep_encoding else _DROPPED_DECODED_RESPONSE_HEADERS
+    listed = upstream.headers.getall("connection", ())
+    if listed:
+        dropped = dropped | {name.encode("latin-1") for name in connection_tokens(listed)}
+    return [
+        (lower, value)
+        for name, value in upstream.raw_headers
+        if (lower := name.lower()) not in dropped
+    ]
