@@ -265,7 +265,7 @@ class StreamState:
     async def next_batch(self) -> list[bytes] | None:
         """The forwardable events of the next network chunk; None once the stream has
         ended (``[DONE]``, an error event, or the end of the body after either)."""
-        if self.ended() or self._body_ended:
+        if self.done or self.upstream_error or self._body_ended:
             if self._body_ended and not self.ended():
                 raise UpstreamProtocolError("backend stream ended before [DONE]")
             return None
@@ -826,7 +826,7 @@ class Guard:
                             return cut
                 if forward:
                     data = forward[0] if len(forward) == 1 else b"".join(forward)
-                    if state.ended():  # the stream's last bytes
+                    if state.done or state.upstream_error:  # the stream's last bytes
                         last = data
                     elif not write_body(data):
                         await send(body_frame(data))

@@ -209,11 +209,14 @@ class RelayResponse(Response):
                 }
             )
             last = await self.pump(send, never_direct if hooks is None else hooks.write_body)
-            # A pump that found every chunk already buffered never waited, so a
-            # client that left meanwhile (the server drops sends to a closed
-            # connection) has woken the watcher but not yet been seen: let it run
-            # before the last frame makes every receive() say "disconnect".
-            await asyncio.sleep(0)
+            if hooks is None:
+                # A pump that found every chunk already buffered never waited, so a
+                # client that left meanwhile (the server drops sends to a closed
+                # connection) has woken the watcher task but not yet been seen: let
+                # it run before the last frame makes every receive() say
+                # "disconnect". (The server hooks are told from connection_lost, which
+                # runs only while this task waits: a departure is seen already.)
+                await asyncio.sleep(0)
             watch.complete = True
             await send({"type": "http.response.body", "body": last, "more_body": False})
             if self.after_complete is not None:
