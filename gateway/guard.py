@@ -292,8 +292,8 @@ class StreamState:
         vLLM's text events (``CONTENT_EVENT``) are read without parsing their JSON and
         forwarded as the chunk's own bytes; every other event goes through the SSE
         parser and ``accept``. A chunk that is exactly one text event is taken whole
-        (a paced stream's every read); one that does not start on an event boundary or has CR line
-        ends goes to the parser whole."""
+        (a paced stream's every read); one that does not start on an event boundary
+        or has CR line ends goes to the parser whole."""
         if self.parser.pending:
             return self._take_parsed(chunk)
         events = self.text_events

@@ -372,7 +372,9 @@ def response_headers(upstream: aiohttp.ClientResponse, *, keep_encoding: bool) -
     dropped = _DROPPED_RESPONSE_HEADERS if keep_encoding else _DROPPED_DECODED_RESPONSE_HEADERS
     listed = upstream.headers.getall("connection", ())
     if listed:
-        dropped = dropped | {name.encode("latin-1") for name in connection_tokens(listed)}
+        # aiohttp decodes header values as UTF-8 with surrogateescape: back to the bytes.
+        named = connection_tokens(listed)
+        dropped = dropped | {name.encode("utf-8", "surrogateescape") for name in named}
     return [
         (lower, value)
         for name, value in upstream.raw_headers
