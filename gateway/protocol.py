@@ -38,7 +38,7 @@ from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.errors import error_body
-from gateway.relay import SERVER_HOOKS, ServerHooks
+from gateway.relay import SERVER_HOOKS, ServerHooks, server_hooks
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +120,8 @@ class ServerHooksProtocol(HttpToolsProtocol):
         cycle = self.cycle
         super().connection_lost(exc)
         if cycle is not None and cycle.disconnected:  # lost before the response completed
-            hooks = cycle.scope.get(SERVER_HOOKS)
-            if isinstance(hooks, ServerHooks) and hooks.on_client_gone is not None:
+            hooks = server_hooks(cycle.scope)
+            if hooks is not None and hooks.on_client_gone is not None:
                 hooks.on_client_gone()
 
 

@@ -14,7 +14,7 @@ generators, which profiling put at about a tenth of a streamed token's cost.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
@@ -71,11 +71,17 @@ class ServerHooks:
         pass
 
 
+def server_hooks(scope: Mapping[str, object]) -> ServerHooks | None:
+    """The request's ServerHooks, under the gateway's own server protocol."""
+    hooks = scope.get(SERVER_HOOKS)
+    return hooks if isinstance(hooks, ServerHooks) else None
+
+
 def hold_head(scope: Scope) -> None:
     """Under the gateway's server protocol, the response head that ``send()`` writes
     next leaves with the first body bytes (call only when they follow at once)."""
-    hooks = scope.get(SERVER_HOOKS)
-    if isinstance(hooks, ServerHooks):
+    hooks = server_hooks(scope)
+    if hooks is not None:
         hooks.hold_head()
 
 
@@ -98,8 +104,7 @@ class ClientWatch:
         self.complete = False
         #: Runs once, before the task is cancelled, when the client leaves.
         self.on_gone: Callable[[], None] | None = None
-        hooks = scope.get(SERVER_HOOKS)
-        self._hooks: ServerHooks | None = hooks if isinstance(hooks, ServerHooks) else None
+        self._hooks = server_hooks(scope)
         self._watcher: asyncio.Task[None] | None = None
         if self._hooks is not None:
             self._hooks.on_client_gone = self._client_left
@@ -195,9 +200,7 @@ class RelayResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = self.watch or ClientWatch(scope, receive)
         watch.on_gone = self.on_client_gone
-        hooks = scope.get(SERVER_HOOKS)
-        if not isinstance(hooks, ServerHooks):
-            hooks = None
+        hooks = server_hooks(scope)
         try:
             if self.body_ready and hooks is not None:
                 hooks.hold_head()

@@ -64,14 +64,10 @@ class NotText(ValueError):
 
 def piece_text(match: re.Match[bytes]) -> str:
     """The decoded text of a ``CONTENT_EVENT`` match."""
-    raw = match[match.lastindex or 1]
-    try:
-        if b"\\" in raw:
-            text: str = orjson.loads(b'"' + raw + b'"')
-            return text
-        return raw.decode()
-    except (UnicodeDecodeError, orjson.JSONDecodeError):
-        raise NotText from None
+    text = string_contents(match[match.lastindex or 1])
+    if text is None:  # the match excludes unescaped quotes: a bad escape or bad UTF-8
+        raise NotText
+    return text
 
 
 def plain_text(raw: bytes) -> str | None:
