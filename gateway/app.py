@@ -28,6 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from gateway import __version__, logs
+from gateway.apis import ADAPTERS, ApiAdapter
 from gateway.config import Settings, load_settings
 from gateway.errors import (
     BadRequest,
@@ -74,8 +75,11 @@ def settings_from_environment() -> Settings:
     return load_settings(os.environ.get("VLLM_GUARD_CONFIG"))
 
 
-def error_response(exc: GatewayError) -> Response:
-    return Response(exc.body(), status_code=exc.status, media_type=JSON_MEDIA_TYPE)
+def error_response(exc: GatewayError, api: ApiAdapter | None = None) -> Response:
+    """The gateway's error in the shape of the API the client speaks (``api``: the
+    guarded API of the request's path; OpenAI's shape for every other path)."""
+    body = api.error_body(exc) if api is not None else exc.body()
+    return Response(body, status_code=exc.status, media_type=JSON_MEDIA_TYPE)
 
 
 def new_request_id() -> str:
@@ -116,8 +120,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-GUARDED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-GuardedHandler = Callable[[Scope, Receive, str], Awaitable[Response]]
+GuardedHandler = Callable[[Scope, Receive, ApiAdapter], Awaitable[Response]]
 _REPEATED_SLASHES = re.compile(r"/{2,}")
 
 
@@ -198,15 +201,16 @@ class GatewayApp(FastAPI):
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
+        path = route_path(scope["path"])
+        api = ADAPTERS.get(path)  # errors on a guarded API's path take its shape
         if sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
             too_large = HeadersTooLarge(f"request headers exceed {self.max_header_bytes} bytes")
-            await error_response(too_large)(scope, receive, send)
+            await error_response(too_large, api)(scope, receive, send)
             return
         if has_dot_segment(scope["path"]):
             bad = BadRequest("the request path must not contain '.' or '..' segments")
             await error_response(bad)(scope, receive, send)
             return
-        path = route_path(scope["path"])
         if path in self.closed_paths:
             await error_response(self.closed_paths[path])(scope, receive, send)
             return
@@ -215,30 +219,26 @@ class GatewayApp(FastAPI):
             and not (scope["method"] in ("GET", "HEAD") and path in self.open_paths)
             and not key_allowed(scope, self.client_key_hashes)
         ):
-            await unauthorized_response()(scope, receive, send)
+            await unauthorized_response(api)(scope, receive, send)
             return
-        if scope["method"] == "POST" and self.guarded_handler:
-            endpoint = GUARDED_PATHS.get(path)
-            if endpoint is not None:
-                scope["app"] = self
-                in_flight = (
-                    self.runtime.metrics.in_flight.labels(endpoint) if self.runtime else None
-                )
-                if in_flight is not None:
-                    in_flight.inc()
+        if scope["method"] == "POST" and self.guarded_handler and api is not None:
+            scope["app"] = self
+            in_flight = self.runtime.metrics.in_flight.labels(api.name) if self.runtime else None
+            if in_flight is not None:
+                in_flight.inc()
+            try:
                 try:
-                    try:
-                        response = await self.guarded_handler(scope, receive, endpoint)
-                    except Exception:
-                        log_unexpected(scope["path"])
-                        response = internal_error_response()
-                    if not isinstance(response, RelayResponse):
-                        hold_head(scope)  # the whole body follows at once
-                    await response(scope, receive, send)
-                finally:
-                    if in_flight is not None:
-                        in_flight.dec()
-                return
+                    response = await self.guarded_handler(scope, receive, api)
+                except Exception:
+                    log_unexpected(scope["path"])
+                    response = internal_error_response(api)
+                if not isinstance(response, RelayResponse):
+                    hold_head(scope)  # the whole body follows at once
+                await response(scope, receive, send)
+            finally:
+                if in_flight is not None:
+                    in_flight.dec()
+            return
         await super().__call__(scope, receive, send)
 
 
@@ -250,13 +250,18 @@ _KEY_DIGEST = "vllm_guard.key_digest"
 
 
 def bearer_digest(scope: Scope) -> str | None:
-    """SHA-256 of the Bearer key in the Authorization header (None without one),
-    computed once per request: auth checks it, the retry budget keys clients by it."""
+    """SHA-256 of the client's key (None without one), computed once per request:
+    auth checks it, the retry budget keys clients by it. The key is the Bearer token
+    of the Authorization header, or the ``x-api-key`` header (Anthropic's SDKs)."""
     if _KEY_DIGEST in scope:
         digest: str | None = scope[_KEY_DIGEST]
         return digest
     scheme, _, key = (header_value(scope, b"authorization") or "").partition(" ")
-    digest = hash_key(key.strip()) if scheme.lower() == "bearer" and key else None
+    if scheme.lower() == "bearer" and key:
+        digest = hash_key(key.strip())
+    else:
+        api_key = (header_value(scope, b"x-api-key") or "").strip()
+        digest = hash_key(api_key) if api_key else None
     scope[_KEY_DIGEST] = digest
     return digest
 
@@ -280,8 +285,8 @@ def client_identity(scope: Scope) -> str:
     return "addr:" + (client[0] if client else "unknown")
 
 
-def unauthorized_response() -> Response:
-    return error_response(Unauthorized("missing or invalid API key"))
+def unauthorized_response(api: ApiAdapter | None = None) -> Response:
+    return error_response(Unauthorized("missing or invalid API key"), api)
 
 
 def log_unexpected(path: str) -> None:
@@ -296,12 +301,14 @@ def log_unexpected(path: str) -> None:
     log.debug("traceback of the unexpected error", exc_info=True)
 
 
-def internal_error_response() -> Response:
-    return Response(
-        error_body("internal gateway error", "internal_error", code="internal_error"),
-        status_code=500,
-        media_type=JSON_MEDIA_TYPE,
-    )
+class InternalError(GatewayError):
+    """A bug in the gateway: answered without its details."""
+
+    code = "internal_error"
+
+
+def internal_error_response(api: ApiAdapter | None = None) -> Response:
+    return error_response(InternalError("internal gateway error"), api)
 
 
 def tune_gc() -> None:
@@ -375,19 +382,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return runtime
 
     # With client keys on, the client's key is ours, never the backend's.
-    client_auth = frozenset({"authorization"}) if settings.auth.api_key_sha256 else frozenset()
+    client_auth = (
+        frozenset({"authorization", "x-api-key"}) if settings.auth.api_key_sha256 else frozenset()
+    )
     guarded_drop = frozenset({"accept-encoding"}) | client_auth
 
     lead_messages = settings.guard.salt_reuse.fingerprint_messages
 
-    async def guarded(scope: Scope, receive: Receive, endpoint: str) -> Response:
+    async def guarded(scope: Scope, receive: Receive, api: ApiAdapter) -> Response:
         started = time.perf_counter()
         runtime: Runtime = scope["app"].runtime
         request_id = header_value(scope, b"x-request-id") or new_request_id()
         logs.request_id.set(request_id)
         try:
             raw = await read_body(scope, receive, settings.server.max_body_bytes)
-            parsed = parse_guarded(endpoint, raw, lead_messages)
+            parsed = parse_guarded(api, raw, lead_messages)
             headers = forward_headers(
                 scope["headers"],
                 request_id=request_id,
@@ -399,7 +408,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 runtime.guard.handle(parsed, headers, started, client_identity(scope))
             )
         except GatewayError as exc:
-            response = error_response(exc)
+            response = error_response(exc, api)
         except ClientGone:
             runtime.guard.client_left_before_response(parsed)
             return Response(status_code=499)
@@ -436,13 +445,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # Also registered as routes, for the OpenAPI description; GatewayApp.__call__
     # answers them before FastAPI's routing does.
-    @app.post("/v1/chat/completions", include_in_schema=True)
-    async def chat_completions(request: Request) -> Response:
-        return await guarded(request.scope, request.receive, "chat")
+    def guarded_route(api: ApiAdapter) -> Callable[[Request], Awaitable[Response]]:
+        async def route(request: Request) -> Response:
+            return await guarded(request.scope, request.receive, api)
 
-    @app.post("/v1/completions", include_in_schema=True)
-    async def completions(request: Request) -> Response:
-        return await guarded(request.scope, request.receive, "completions")
+        return route
+
+    for guarded_api in ADAPTERS.values():
+        app.add_api_route(
+            guarded_api.path, guarded_route(guarded_api), methods=["POST"], name=guarded_api.name
+        )
 
     @app.api_route("/healthz", methods=["GET", "HEAD"])
     async def healthz() -> Response:

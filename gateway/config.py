@@ -140,6 +140,15 @@ class DetectorSettings(_Strict):
     #: letter) repeated at least this many times: "the the the ...".
     token_loop_min_repeats: Annotated[int, Field(ge=4)] = 16
     token_loop_max_unit_chars: Annotated[int, Field(ge=1, le=256)] = 64
+    #: One ASCII letter repeated ("ssss..."; whitespace between repeats allowed) in a
+    #: run of at least letter_min_run that makes up letter_min_share of the visible
+    #: output. Base64 padding and "AAAA" test data inside an answer stay below the
+    #: share (the legitimate corpus's longest: 80 of 104 characters, 0.77). While a
+    #: stream is still running the run must be 4 x letter_min_run long: what follows
+    #: could still dilute it.
+    letter_run: bool = True
+    letter_min_run: Annotated[int, Field(ge=8)] = 64
+    letter_min_share: Annotated[float, Field(gt=0, le=1)] = 0.9
     malformed_tool_call: bool = True
     #: Leaked tokenizer artifacts (<unk>, <pad>, [PAD], <0x00>, <|endoftext|>, U+FFFD):
     #: a run of at least special_min_run of them (whitespace between allowed) that

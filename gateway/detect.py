@@ -37,6 +37,7 @@ class DegenerateKind(StrEnum):
     TOKEN_LOOP = "token_loop"
     MALFORMED_TOOL_CALL = "malformed_tool_call"
     SPECIAL_TOKENS = "special_tokens"
+    LETTER_RUN = "letter_run"
     DENY_PATTERN = "deny_pattern"
 
 
@@ -100,6 +101,7 @@ class Detector:
             else None
         )
         self._deny = [re.compile(p) for p in settings.deny_patterns]
+        self._letter_run = re.compile(rf"([A-Za-z])(?:\s*\1){{{settings.letter_min_run - 1},}}")
         #: The first punctuation character punct_run counts in a text, or None.
         self.find_candidate: Callable[[str], re.Match[str] | None] = (
             re.compile(f"[{escaped}]").search if escaped else _never_found
@@ -139,6 +141,23 @@ class Detector:
             self.settings.token_loop_max_unit_chars,
         )
 
+    def letter_run(self, text: str, *, complete: bool = True) -> bool:
+        """One ASCII letter repeated makes up nearly all of a long output ("ssss...")."""
+        s = self.settings
+        if not s.letter_run:
+            return False
+        min_run = s.letter_min_run if complete else 4 * s.letter_min_run
+        visible = 0
+        for match in self._letter_run.finditer(text):
+            run = _visible_length(match.group())
+            if run < min_run:
+                continue
+            if not visible:
+                visible = _visible_length(text)
+            if run >= s.letter_min_share * visible:
+                return True
+        return False
+
     def deny_pattern(self, text: str) -> bool:
         return any(p.search(text) for p in self._deny)
 
@@ -175,6 +194,8 @@ class Detector:
             return DegenerateKind.SPECIAL_TOKENS
         if self.token_loop(text):
             return DegenerateKind.TOKEN_LOOP
+        if self.letter_run(text, complete=complete):
+            return DegenerateKind.LETTER_RUN
         if self._deny and self.deny_pattern(text):
             return DegenerateKind.DENY_PATTERN
         return None
@@ -221,7 +242,7 @@ class Detector:
         # Usage counts every choice's tokens: it is one choice's only when there is one.
         known = tokens if isinstance(tokens, int) and len(choices) == 1 else None
         return self.inspect_choices(
-            (_index(c, i), choice_output(c, tokens=known))
+            (choice_index(c, i), choice_output(c, tokens=known))
             for i, c in enumerate(choices)
             if isinstance(c, dict)
         )
@@ -347,7 +368,7 @@ def _text(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
-def _index(choice: Mapping[str, Any], default: int) -> int:
+def choice_index(choice: Mapping[str, Any], default: int) -> int:
     index = choice.get("index")
     return index if isinstance(index, int) else default
 
@@ -507,7 +528,7 @@ class StreamInspector:
         for position, raw in enumerate(choices):
             if not isinstance(raw, dict):
                 continue
-            state = self._choice(_index(raw, position))
+            state = self._choice(choice_index(raw, position))
             delta = raw.get("delta")
             if isinstance(delta, dict):
                 self._feed_delta(state, delta)
@@ -556,7 +577,7 @@ class StreamInspector:
             for position, call in enumerate(tool_calls):
                 if not isinstance(call, dict):
                     continue
-                index = _index(call, position)
+                index = choice_index(call, position)
                 parts = state.tool_arguments.setdefault(index, [])
                 function = call.get("function")
                 if isinstance(function, dict):
@@ -565,6 +586,36 @@ class StreamInspector:
                         parts.append(args)
                         state.tool_visible += len(args)
                         self.visible_chars += len(args)
+
+    def open_choice(self, index: int) -> None:
+        """An output has started (with no text yet): it is judged at the end even if
+        no text ever comes, as an empty answer is."""
+        self._choice(index)
+
+    def feed_output(
+        self,
+        index: int,
+        *,
+        content: str = "",
+        reasoning: str = "",
+        tool_index: int = 0,
+        tool_arguments: str | None = None,
+        finish_reason: str | None = None,
+    ) -> None:
+        """One piece of an output, for APIs whose events name what they carry
+        (Responses, Messages): text, reasoning, a tool call's arguments (a call with
+        none yet counts as a call), or the output's finish reason."""
+        state = self._choice(index)
+        self._feed_text(state.content, state.content_parts, content)
+        self._feed_text(state.reasoning, state.reasoning_parts, reasoning)
+        if tool_arguments is not None:
+            parts = state.tool_arguments.setdefault(tool_index, [])
+            if tool_arguments:
+                parts.append(tool_arguments)
+                state.tool_visible += len(tool_arguments)
+                self.visible_chars += len(tool_arguments)
+        if finish_reason is not None:
+            state.finish_reason = finish_reason
 
     def _feed_text(self, tracker: PunctTracker, parts: list[str], text: str) -> None:
         if text:

@@ -1,6 +1,8 @@
 """The guard loop: attempts, verdicts, salted retries, the exhausted policy.
 
-One request pipeline for chat and completions, streaming or not. An *attempt*
+One request pipeline for every guarded API (``gateway.apis``: chat, completions,
+Responses, Messages), streaming or not; what differs between them is asked of the
+request's adapter. An *attempt*
 opens the upstream response and lets the inspector read it (the whole body, or
 a stream up to the hold-back window) before anything is sent to the client, so a
 discarded attempt has sent nothing. Only then does the response start.
@@ -22,6 +24,9 @@ from multidict import CIMultiDict
 from starlette.responses import Response
 from starlette.types import Send
 
+from gateway.apis import ApiAdapter, EventReader, Usage
+from gateway.apis.base import NO_SIGNAL
+from gateway.apis.openai_chunks import read_openai_usage
 from gateway.budget import Refusal, RetryBudget, RetryTicket
 from gateway.config import (
     AfterRelease,
@@ -35,7 +40,6 @@ from gateway.detect import (
     Detector,
     StreamInspector,
     Verdict,
-    choice_output,
 )
 from gateway.errors import (
     BackendUnreachable,
@@ -51,7 +55,7 @@ from gateway.evidence import EvidenceRecord, EvidenceStore, prompt_fingerprint
 from gateway.metrics import Metrics
 from gateway.relay import BodyWriter, RelayResponse, body_frame
 from gateway.request import GuardedRequest, attempt_overrides, body_with
-from gateway.retry import SaltMemory, conversation_key
+from gateway.retry import AnswerChains, SaltMemory, conversation_key
 from gateway.salt import SaltLadder, fresh_salt
 from gateway.sse import DONE, EventTooLarge, SSEEvent, SSEParser, lf_event
 from gateway.upstream import (
@@ -78,26 +82,6 @@ FINISH_READING_S = 1.0
 
 
 @dataclass(slots=True)
-class Usage:
-    prompt_tokens: int
-    cached_tokens: int | None
-
-
-def read_usage(payload: object) -> Usage | None:
-    if not isinstance(payload, dict):
-        return None
-    usage = payload.get("usage")
-    if not isinstance(usage, dict):
-        return None
-    prompt = usage.get("prompt_tokens")
-    if not isinstance(prompt, int):
-        return None
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Usage(prompt, cached if isinstance(cached, int) else None)
-
-
-@dataclass(slots=True)
 class Trace:
     """Per-request accounting, filled in as the request goes."""
 
@@ -120,6 +104,8 @@ class Trace:
     routed: Backend | None = None
     #: The salt ladder's rung of the attempt under way (0: the client's own salt).
     rung: int = 0
+    #: Answers are read and judged (guard not off, and the request not unguardable).
+    inspecting: bool = True
 
 
 class StallWatch:
@@ -169,6 +155,9 @@ class StreamState:
     backend: Backend
     inspector: StreamInspector
     strip_usage: bool
+    #: The API's reader of typed events (Responses, Messages); None: an OpenAI chunk
+    #: stream, read by this class's own fast path.
+    events: EventReader | None = None
     parser: SSEParser = field(default_factory=SSEParser)
     held: list[bytes] = field(default_factory=list)
     done: bool = False
@@ -183,6 +172,10 @@ class StreamState:
 
     def ended(self) -> bool:
         return self.done or self.upstream_error
+
+    def error_event(self, error: GatewayError) -> bytes:
+        """The gateway's error, in band, in this stream's API's shape: ends the stream."""
+        return self.events.error_event(error) if self.events is not None else sse_error_event(error)
 
     def watch_stalls(self, watch: StallWatch) -> None:
         """From here on ``watch`` times out a backend that goes silent mid-stream,
@@ -247,6 +240,14 @@ class StreamState:
             raise UpstreamProtocolError("backend sent an SSE event that is not JSON") from None
         if type(payload) is not dict:
             raise UpstreamProtocolError("backend sent an SSE event that is not a JSON object")
+        if self.events is not None:
+            signal = self.events.read(payload)
+            if signal is not NO_SIGNAL:
+                if signal.usage is not None:
+                    self.usage = signal.usage
+                self.done = self.done or signal.ends
+                self.upstream_error = self.upstream_error or signal.error
+            return True
         if "error" in payload:
             self.upstream_error = True
             return True
@@ -254,7 +255,7 @@ class StreamState:
             tokens = raw_usage.get("completion_tokens") if isinstance(raw_usage, dict) else None
             if isinstance(tokens, int):
                 self.inspector.completion_tokens = tokens
-            usage = read_usage(payload)
+            usage = read_openai_usage(payload)
             if usage is not None:
                 self.usage = usage
                 if self.strip_usage and payload.get("choices") == []:
@@ -293,8 +294,9 @@ class StreamState:
         forwarded as the chunk's own bytes; every other event goes through the SSE
         parser and ``accept``. A chunk that is exactly one text event is taken whole
         (a paced stream's every read); one that does not start on an event boundary
-        or has CR line ends goes to the parser whole."""
-        if self.parser.pending:
+        or has CR line ends goes to the parser whole, as does every chunk of a typed
+        event stream (``events``)."""
+        if self.parser.pending or self.events is not None:
             return self._take_parsed(chunk)
         events = self.text_events
         head, tail = events.head, events.tail
@@ -381,18 +383,14 @@ class Attempt:
     #: The parsed body of a non-streaming attempt (for evidence capture).
     payload: dict[str, Any] | None = None
 
-    def output_text(self) -> str:
+    def output_text(self, api: ApiAdapter) -> str:
         """What the degenerate choice said (content, else reasoning, else tool args)."""
         index = self.verdict.choice_index or 0
         if self.stream is not None:
             state = self.stream.inspector.choices.get(index)
             output = state.output() if state is not None else None
         else:
-            choices = (self.payload or {}).get("choices") or []
-            raw = next(
-                (c for c in choices if isinstance(c, dict) and c.get("index", 0) == index), None
-            )
-            output = choice_output(raw) if raw is not None else None
+            output = dict(api.outputs(self.payload or {})).get(index)
         if output is None:
             return ""
         return output.content or output.reasoning or "".join(output.tool_arguments)
@@ -423,6 +421,7 @@ class Guard:
         self.budget = RetryBudget(settings.guard.budget)
         self.stalls = StallWatch(settings.upstream.timeouts.read_s)
         self.salts = SaltMemory(settings.guard.salt_reuse)
+        self.chains = AnswerChains(settings.guard.salt_reuse.max_entries)
         key = settings.guard.salt_reuse.key
         self.ladder = SaltLadder(key.get_secret_value().encode() if key is not None else None)
         self._detectors: dict[str, Detector] = {}
@@ -485,6 +484,7 @@ class Guard:
             started=started,
             conversation=fingerprint if reuse_salts else None,
             conversation_known=fingerprint is not None or not reuse_salts,
+            inspecting=self.mode is not GuardMode.OFF and not request.unguardable,
         )
         self.budget.record_request()
         salt = request.client_salt
@@ -534,7 +534,9 @@ class Guard:
             kind = attempt.verdict.kind
             assert kind is not None
             trace.degenerate_seen = True
-            self.metrics.degenerate.labels(trace.model, backend.name, kind).inc()
+            self.metrics.degenerate.labels(
+                trace.model, backend.name, kind, trace.request.endpoint
+            ).inc()
             self._capture(attempt, trace, kind)
             if attempt.salt is not None and attempt.salt != request.client_salt:
                 self.salts.forget(self.conversation(trace), attempt.salt)
@@ -550,6 +552,9 @@ class Guard:
             )
 
     def _fingerprint(self, request: GuardedRequest) -> str | None:
+        continued = request.api.continues(request.body)
+        if continued is not None:  # the history lives in the backend: key on its chain
+            return self.chains.conversation_of(continued)
         return conversation_key(
             request.endpoint, request.body, request.client_salt, self.settings.guard.salt_reuse
         )
@@ -628,12 +633,16 @@ class Guard:
             if attempt.stream is not None:
                 self._count_attempt(attempt, trace)
             self._finish(trace, attempt.backend, "degenerate")
-            self.metrics.degenerate_refused.labels(trace.model, attempt.backend.name, kind).inc()
+            self.metrics.degenerate_refused.labels(
+                trace.model, attempt.backend.name, kind, trace.request.endpoint
+            ).inc()
             raise DegenerateResponse(
                 f"the backend returned a degenerate answer ({kind}) on all "
                 f"{trace.attempts} attempt(s)"
             )
-        self.metrics.degenerate_delivered.labels(trace.model, attempt.backend.name, kind).inc()
+        self.metrics.degenerate_delivered.labels(
+            trace.model, attempt.backend.name, kind, trace.request.endpoint
+        ).inc()
         return self._release(attempt, trace)
 
     # -- one attempt --------------------------------------------------------------
@@ -666,13 +675,15 @@ class Guard:
                     attempt.body = await response.read()
                 response.release()
                 if response.status == 200:
-                    self._inspect_body(attempt, request)
+                    self._inspect_body(attempt, trace)
             else:
+                inspector = self.detector_for(request.model).stream_inspector()
                 attempt.stream = StreamState(
                     response,
                     backend,
-                    self.detector_for(request.model).stream_inspector(),
-                    strip_usage=not request.client_wants_usage,
+                    inspector,
+                    strip_usage=request.api.openai_chunks and not request.client_wants_usage,
+                    events=request.api.event_reader(inspector),
                     parser=SSEParser(self.settings.upstream.max_sse_event_bytes),
                 )
                 attempt.stream.watch_stalls(self.stalls)
@@ -690,7 +701,7 @@ class Guard:
             self._count_attempt(attempt, trace)
         return attempt
 
-    def _inspect_body(self, attempt: Attempt, request: GuardedRequest) -> None:
+    def _inspect_body(self, attempt: Attempt, trace: Trace) -> None:
         try:
             payload = orjson.loads(attempt.body)
         except orjson.JSONDecodeError:
@@ -700,10 +711,11 @@ class Guard:
             raise UpstreamProtocolError(
                 f"backend {attempt.backend.name} answered 200 with a body that is not a JSON object"
             )
-        attempt.usage = read_usage(payload)
+        request = trace.request
+        attempt.usage = request.api.read_usage(payload)
         attempt.payload = payload
-        if self.mode is not GuardMode.OFF:
-            attempt.verdict = self.detector_for(request.model).inspect_body(payload)
+        if trace.inspecting:
+            attempt.verdict = request.api.inspect_body(self.detector_for(request.model), payload)
 
     async def _hold_back(self, attempt: Attempt, trace: Trace) -> None:
         """Read the stream until the guard can decide, keeping every byte back.
@@ -714,7 +726,7 @@ class Guard:
         state = attempt.stream
         assert state is not None
         request = trace.request
-        ceiling = self.holdback_for(request.model)
+        ceiling = self.holdback_for(request.model) if trace.inspecting else 0
         if ceiling == 0:
             return
         min_release = min(self.settings.guard.stream.min_release_chars, ceiling)
@@ -747,6 +759,8 @@ class Guard:
     def _request_verdict(self, attempt: Attempt, trace: Trace) -> str:
         if attempt.status != 200:
             return "error"
+        if trace.request.unguardable:
+            return "unguarded"
         if attempt.verdict.degenerate:
             return "degenerate"
         return "recovered" if trace.degenerate_seen else "clean"
@@ -756,6 +770,7 @@ class Guard:
         salt = attempt.salt
         if verdict in ("clean", "recovered") and salt not in (None, trace.request.client_salt):
             self.salts.remember(self.conversation(trace), salt, trace.rung)
+        self._remember_answer(attempt, trace)
         headers = self._headers(attempt, trace, verdict)
         if attempt.stream is None:
             self._finish(trace, attempt.backend, verdict)
@@ -777,6 +792,19 @@ class Guard:
             on_close=lambda: self._closed(attempt, trace),
             on_client_gone=lambda: self._client_left_mid_stream(trace),
         )
+
+    def _remember_answer(self, attempt: Attempt, trace: Trace) -> None:
+        """An answer a later request may continue by id (Responses): remember its
+        conversation, so the next turn is keyed on the same one."""
+        if attempt.stream is not None:
+            events = attempt.stream.events
+            answer_id = events.answer_id if events is not None else None
+        else:
+            answer_id = trace.request.api.answer_id(attempt.payload or {})
+        if answer_id is not None:
+            self.chains.remember(
+                answer_id, self.conversation(trace) or self._fingerprint(trace.request)
+            )
 
     def client_left_before_response(self, request: GuardedRequest) -> None:
         """The client disconnected while the gateway was still working on its answer."""
@@ -803,7 +831,7 @@ class Guard:
         assert state is not None
         inspector = state.inspector
         # A stream that ended while held was judged whole then (``_hold_back``).
-        inspect = self.mode is not GuardMode.OFF and not state.ended()
+        inspect = trace.inspecting and not state.ended()
         released_clean = not attempt.verdict.degenerate
         opened = time.perf_counter()
         last = b""
@@ -837,7 +865,7 @@ class Guard:
                     self._late_corruption(attempt, trace, final.kind, ended=True)
         except GatewayError as exc:
             verdict = "error"
-            return last + sse_error_event(exc)
+            return last + state.error_event(exc)
         except asyncio.CancelledError:
             if trace.client_gone:
                 raise  # counted as a disconnect; the verdict stands for what was sent
@@ -845,7 +873,7 @@ class Guard:
             # still takes it, then let the cancellation go on.
             verdict = "error"
             shutting_down = ShuttingDown("the gateway is shutting down")
-            await send(body_frame(last + sse_error_event(shutting_down)))
+            await send(body_frame(last + state.error_event(shutting_down)))
             raise
         finally:
             if not state.done:  # a complete stream is read to its end, then closed
@@ -865,16 +893,18 @@ class Guard:
     ) -> bytes | None:
         """A released stream degenerated: count it; with policy "cut", end it in-band."""
         backend = attempt.backend.name
-        self.metrics.degenerate.labels(trace.model, backend, kind).inc()
+        self.metrics.degenerate.labels(trace.model, backend, kind, trace.request.endpoint).inc()
         self._capture(attempt, trace, kind)
         if not ended and self.settings.guard.stream.after_release is AfterRelease.CUT:
             assert attempt.stream is not None
             attempt.stream.close()
             self.metrics.stream_cut.labels(trace.model, backend).inc()
-            return sse_error_event(
+            return attempt.stream.error_event(
                 DegenerateResponse(f"the answer degenerated ({kind}) after it was released")
             )
-        self.metrics.degenerate_delivered.labels(trace.model, backend, kind).inc()
+        self.metrics.degenerate_delivered.labels(
+            trace.model, backend, kind, trace.request.endpoint
+        ).inc()
         return None
 
     # -- accounting ------------------------------------------------------------------
@@ -898,8 +928,8 @@ class Guard:
                     prompt_tokens=usage.prompt_tokens if usage else None,
                     cached_tokens=usage.cached_tokens if usage else None,
                     prompt_fingerprint=prompt_fingerprint(body),
-                    output=attempt.output_text(),
-                    prompt=body.get("messages", body.get("prompt")),
+                    output=attempt.output_text(request.api),
+                    prompt=body.get(request.api.conversation_field or "prompt"),
                 )
             )
         except OSError:

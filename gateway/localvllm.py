@@ -130,6 +130,9 @@ class VLLMServer:
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_SERVER_DEV_MODE": "1",
             "VG_POISON_RATE": str(self.poison_rate),
+            # The Responses API's store (previous_response_id, background), as a
+            # deployment that uses them runs it; off by default in vLLM.
+            "VLLM_ENABLE_RESPONSES_API_STORE": "1",
             "PYTHONPATH": str(SUPPORT),
             **self.extra_env,
         }

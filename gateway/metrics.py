@@ -116,22 +116,23 @@ class Metrics:
         )
         self.degenerate = Counter(
             "vllm_guard_degenerate_responses",
-            "Degenerate attempts detected, by detector kind (at most one per attempt).",
-            ["model", "backend", "kind"],
+            "Degenerate attempts detected, by detector kind (at most one per attempt) and "
+            "API (endpoint: chat, completions, responses, messages).",
+            ["model", "backend", "kind", "endpoint"],
             registry=r,
         )
         self.degenerate_refused = Counter(
             "vllm_guard_degenerate_refused",
             "Requests answered with a 502 because every attempt was degenerate "
             "(guard.on_exhausted: error).",
-            ["model", "backend", "kind"],
+            ["model", "backend", "kind", "endpoint"],
             registry=r,
         )
         self.degenerate_delivered = Counter(
             "vllm_guard_degenerate_delivered",
             "Degenerate answers that reached the client (observe mode, policy deliver, "
             "or corruption after a stream was released).",
-            ["model", "backend", "kind"],
+            ["model", "backend", "kind", "endpoint"],
             registry=r,
         )
         self.retries = Counter(

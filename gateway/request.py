@@ -18,20 +18,18 @@ from typing import Any
 
 import orjson
 
+from gateway.apis import BY_NAME, ApiAdapter
+from gateway.apis.base import COMMON_ROUTING_FIELDS
 from gateway.errors import BadRequest, InvalidCacheSalt
 from gateway.jsonscan import Spans, leading_messages, top_level_spans
 from gateway.salt import salt_problem
 
-ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-
-
 LARGE_BODY = 512 * 1024
-ROUTING_FIELDS = ("model", "stream", "n", "cache_salt", "stream_options", "prompt")
 
 
 @dataclass(frozen=True, slots=True)
 class GuardedRequest:
-    endpoint: str  # "chat" | "completions"
+    api: ApiAdapter
     raw: bytes
     #: The decoded body; for a large body only the routing fields and the
     #: leading messages with their media parts reduced to their type (``spans``).
@@ -44,10 +42,17 @@ class GuardedRequest:
     client_wants_usage: bool
     #: Top-level value spans in ``raw`` when ``body`` is partial, else None.
     spans: Spans | None = None
+    #: Why the answer cannot be inspected (Responses' ``background``), else None.
+    unguardable: str | None = None
+
+    @property
+    def endpoint(self) -> str:
+        """The API's name: a bounded label value."""
+        return self.api.name
 
     @property
     def path(self) -> str:
-        return ENDPOINT_PATHS[self.endpoint]
+        return self.api.path
 
     def full_body(self) -> dict[str, Any]:
         """The whole decoded body (decodes a large one now; for rare uses only)."""
@@ -60,25 +65,32 @@ class GuardedRequest:
         return decoded if isinstance(decoded, dict) else self.body
 
 
-def _partial_body(raw: bytes, lead_messages: int) -> tuple[dict[str, Any], Spans] | None:
+def _partial_body(
+    api: ApiAdapter, raw: bytes, lead_messages: int
+) -> tuple[dict[str, Any], Spans] | None:
     spans = top_level_spans(raw)
     if spans is None:
         return None
+    fields = (*COMMON_ROUTING_FIELDS, *api.routing_fields)
     try:
-        body = {k: orjson.loads(raw[s:e]) for k, (s, e) in spans.items() if k in ROUTING_FIELDS}
+        body = {k: orjson.loads(raw[s:e]) for k, (s, e) in spans.items() if k in fields}
     except orjson.JSONDecodeError:
         return None
-    if "messages" in spans:
-        lead = leading_messages(raw, spans["messages"], lead_messages)
+    conversation = api.conversation_field
+    if conversation is not None and conversation in spans:
+        lead = leading_messages(raw, spans[conversation], lead_messages)
         if lead is None:
-            return None
-        body["messages"] = lead
+            return None  # not an array of messages (a string input): decoded whole
+        body[conversation] = lead
     return body, spans
 
 
-def parse_guarded(endpoint: str, raw: bytes, lead_messages: int = 2) -> GuardedRequest:
-    """Validate the few fields the gateway routes on; raise BadRequest otherwise."""
-    partial = _partial_body(raw, lead_messages) if len(raw) > LARGE_BODY else None
+def parse_guarded(api: ApiAdapter | str, raw: bytes, lead_messages: int = 2) -> GuardedRequest:
+    """Validate the few fields the gateway routes on; raise BadRequest otherwise.
+    ``api``: the request's adapter, or its name."""
+    if isinstance(api, str):
+        api = BY_NAME[api]
+    partial = _partial_body(api, raw, lead_messages) if len(raw) > LARGE_BODY else None
     spans: Spans | None = None
     if partial is not None:
         body, spans = partial
@@ -112,7 +124,7 @@ def parse_guarded(endpoint: str, raw: bytes, lead_messages: int = 2) -> GuardedR
         raise BadRequest("'stream_options' must be an object", param="stream_options")
     wants_usage = bool(stream_options and stream_options.get("include_usage") is True)
     return GuardedRequest(
-        endpoint=endpoint,
+        api=api,
         raw=raw,
         body=body,
         model=model,
@@ -121,6 +133,7 @@ def parse_guarded(endpoint: str, raw: bytes, lead_messages: int = 2) -> GuardedR
         client_salt=client_salt,
         client_wants_usage=wants_usage,
         spans=spans,
+        unguardable=api.unguardable(body),
     )
 
 
@@ -165,7 +178,7 @@ def attempt_overrides(request: GuardedRequest, salt: str | None) -> dict[str, An
     overrides: dict[str, Any] = {}
     if salt is not None and salt != request.client_salt:
         overrides["cache_salt"] = salt
-    if request.stream and not request.client_wants_usage:
+    if request.stream and request.api.openai_chunks and not request.client_wants_usage:
         options = request.body.get("stream_options") or {}
         overrides["stream_options"] = {**options, "include_usage": True}
     return overrides

@@ -13,23 +13,18 @@ from typing import Any
 
 import orjson
 
+from gateway.apis import BY_NAME
 from gateway.config import SaltReuseSettings
 
 
 def conversation_key(
     endpoint: str, body: Mapping[str, Any], client_salt: str | None, settings: SaltReuseSettings
 ) -> str | None:
-    """A fingerprint of the leading part of a conversation, or None if there is none."""
-    if endpoint == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return None
-        lead: object = messages[: settings.fingerprint_messages]
-    else:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str) or not prompt:
-            return None
-        lead = prompt[: settings.fingerprint_prompt_chars]
+    """A fingerprint of the leading part of a conversation, or None if there is none.
+    What the leading part is depends on the API (``ApiAdapter.conversation_lead``)."""
+    lead = BY_NAME[endpoint].conversation_lead(body, settings)
+    if lead is None:
+        return None
     try:
         encoded = orjson.dumps([endpoint, body.get("model"), client_salt, _bounded(lead)])
     except TypeError:
@@ -108,3 +103,32 @@ class SaltMemory:
         """Corruption recurred under this salt: rotate it out."""
         if key is not None and (entry := self._entries.get(key)) and entry[0] == salt:
             del self._entries[key]
+
+
+class AnswerChains:
+    """Bounded LRU: an answer's id -> the conversation fingerprint it belongs to.
+
+    A Responses request with ``previous_response_id`` carries only its new turn; its
+    history lives in vLLM. The guard remembers which conversation each answer it
+    released belongs to, so the next turn is keyed (salt memory, affinity) on the
+    same conversation. Per process, like the salt memory; an id it does not know
+    (another process's, or forgotten) keys the conversation on the id itself."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, str] = OrderedDict()
+
+    def conversation_of(self, answer_id: str) -> str:
+        key = self._entries.get(answer_id)
+        if key is None:
+            return hashlib.blake2b(answer_id.encode(), digest_size=16).hexdigest()
+        self._entries.move_to_end(answer_id)
+        return key
+
+    def remember(self, answer_id: str | None, conversation: str | None) -> None:
+        if answer_id is None or conversation is None:
+            return
+        self._entries[answer_id] = conversation
+        self._entries.move_to_end(answer_id)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)

@@ -23,6 +23,7 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
+from gateway.apis import ADAPTERS
 from gateway.config import BackendRole, BackendSettings, RetryTarget, UpstreamSettings
 from gateway.errors import (
     BackendUnreachable,
@@ -32,12 +33,11 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.periodic import Periodic
-from gateway.request import ENDPOINT_PATHS
 
 log = logging.getLogger(__name__)
 
 #: The paths guarded requests are sent to (a bounded set: their URLs are kept parsed).
-GUARDED_UPSTREAM_PATHS = frozenset(ENDPOINT_PATHS.values())
+GUARDED_UPSTREAM_PATHS = frozenset(ADAPTERS)
 
 #: RFC 9110 hop-by-hop headers plus those the transport recomputes.
 HOP_BY_HOP = frozenset(

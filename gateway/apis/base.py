@@ -1,0 +1,142 @@
+"""What differs between the generation APIs the guard serves, behind one interface.
+
+The guard loop (``gateway.guard``) never asks which API it runs: it asks the
+request's ``ApiAdapter`` which fields route and salt the request, how an answer's
+outputs and usage are read, how a stream's events are read and which one ends it,
+and how an error is written in the API's own shape. One adapter per API:
+
+* ``chat`` (``/v1/chat/completions``) and ``completions`` (``/v1/completions``):
+  OpenAI chunk streams, read by ``StreamState``'s own fast path (``openai_chunks``);
+* ``responses`` (``/v1/responses``): OpenAI Responses, typed events;
+* ``messages`` (``/v1/messages``): Anthropic Messages, typed events, Anthropic errors.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import orjson
+
+from gateway.config import SaltReuseSettings
+from gateway.detect import ChoiceOutput, Detector, StreamInspector, Verdict
+from gateway.errors import GatewayError
+
+#: Request fields every API routes on (parsed by ``gateway.request``).
+COMMON_ROUTING_FIELDS = ("model", "stream", "n", "cache_salt", "stream_options")
+
+
+@dataclass(slots=True)
+class Usage:
+    """An attempt's prompt tokens and how many of them vLLM's prefix cache served
+    (None: the backend does not report it)."""
+
+    prompt_tokens: int
+    cached_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class EventSignal:
+    """What one stream event means to the guard, besides the text it carries."""
+
+    #: The stream's last event (``[DONE]``, ``response.completed``, ``message_stop``).
+    ends: bool = False
+    #: An in-band error from the backend: the stream ends with it.
+    error: bool = False
+    #: The attempt's usage, when this event carries it.
+    usage: Usage | None = None
+
+
+NO_SIGNAL = EventSignal()
+ENDS = EventSignal(ends=True)
+BACKEND_ERROR = EventSignal(error=True)
+
+
+class EventReader(Protocol):
+    """Reads one stream of typed events (Responses, Messages) into an inspector."""
+
+    #: The id the backend gave the answer, once an event said it (Responses chains).
+    answer_id: str | None
+
+    def read(self, payload: dict[str, Any]) -> EventSignal:
+        """Feed one event's JSON to the inspector; say what else it means."""
+        ...
+
+    def error_event(self, error: GatewayError) -> bytes:
+        """An in-band error in this API's event shape, ending the client's stream."""
+        ...
+
+
+class ApiAdapter(ABC):
+    """One generation API. Subclasses are stateless singletons (``gateway.apis.ADAPTERS``)."""
+
+    #: The bounded label value and log name ("chat", "completions", ...).
+    name: ClassVar[str]
+    #: The path the client posts to, and the backend's path for it.
+    path: ClassVar[str]
+    #: Top-level fields decoded from a large body besides COMMON_ROUTING_FIELDS.
+    routing_fields: ClassVar[tuple[str, ...]] = ()
+    #: The top-level array whose leading elements identify a conversation (decoded
+    #: with their media parts reduced to their type), if any.
+    conversation_field: ClassVar[str | None] = None
+    #: Streams are OpenAI chunk streams ending in ``[DONE]``: ``StreamState`` reads
+    #: them itself (its fast path) and asks for ``stream_options.include_usage``.
+    openai_chunks: ClassVar[bool] = False
+
+    # -- requests -------------------------------------------------------------------
+
+    @abstractmethod
+    def conversation_lead(self, body: Mapping[str, Any], settings: SaltReuseSettings) -> object:
+        """The leading part of the conversation (fingerprinted for salt reuse and
+        affinity), or None when the request has none."""
+
+    def continues(self, body: Mapping[str, Any]) -> str | None:
+        """The id of an earlier answer whose conversation this request continues, when
+        the history lives in the backend (Responses' ``previous_response_id``)."""
+        return None
+
+    def unguardable(self, body: Mapping[str, Any]) -> str | None:
+        """Why the answer to this request cannot be inspected (None: it can)."""
+        return None
+
+    # -- answers --------------------------------------------------------------------
+
+    @abstractmethod
+    def outputs(self, payload: Mapping[str, Any]) -> Iterable[tuple[int, ChoiceOutput]]:
+        """Each output (choice) of a whole answer, with its index."""
+
+    def inspect_body(self, detector: Detector, payload: Mapping[str, Any]) -> Verdict:
+        return detector.inspect_choices(self.outputs(payload))
+
+    @abstractmethod
+    def read_usage(self, payload: Mapping[str, Any]) -> Usage | None:
+        """Prompt and cached tokens of a whole answer (or a stream's usage event)."""
+
+    def answer_id(self, payload: Mapping[str, Any]) -> str | None:
+        """The id of a whole answer that a later request may continue (``continues``)."""
+        return None
+
+    def event_reader(self, inspector: StreamInspector) -> EventReader | None:
+        """A reader for one stream of this API (None: ``openai_chunks``)."""
+        return None
+
+    # -- errors ---------------------------------------------------------------------
+
+    def error_body(self, error: GatewayError) -> bytes:
+        """The gateway's error in this API's shape (OpenAI's by default)."""
+        return error.body()
+
+
+def text(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def integer(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def event_bytes(event: str, payload: Mapping[str, Any]) -> bytes:
+    """One typed SSE event (``event:`` line and JSON data)."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"

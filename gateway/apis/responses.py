@@ -1,0 +1,208 @@
+"""OpenAI Responses (``POST /v1/responses``), as vLLM serves it.
+
+A whole answer is a ``response`` object whose ``output`` items are read as one
+output: ``message`` items' ``output_text`` (and ``refusal``) parts are its text,
+``reasoning`` items its reasoning, ``function_call`` items its tool calls (their
+``arguments`` must be JSON). A stream is typed events (``event: <type>``), from
+``response.created`` to the terminal ``response.completed`` (vLLM sends it also
+for an ``incomplete`` answer; ``response.incomplete`` and ``response.failed`` end
+other servers' streams); each carries a ``sequence_number`` from 0. An attempt's
+events are held back until the guard decides and a discarded attempt's are never
+sent, so the client sees one response: one id, its sequence numbers in order.
+
+Stateful parts (README, "Responses and Messages"):
+
+* ``store``: every attempt is stored by vLLM (when its store is on); a discarded
+  attempt's id is never given to the client, so nothing refers to it.
+* ``previous_response_id``: the history lives in vLLM, so the request's own
+  ``input`` is only the new turn. The guard keys the conversation on the chain:
+  a response it released remembers the conversation it belongs to
+  (``gateway.retry.AnswerChains``), and a request continuing it inherits it.
+* ``background: true``: vLLM answers "queued" at once and generates later;
+  there is no answer to inspect. Passed through unguarded, counted with the
+  verdict ``unguarded``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from gateway.apis.base import (
+    BACKEND_ERROR,
+    NO_SIGNAL,
+    ApiAdapter,
+    EventReader,
+    EventSignal,
+    Usage,
+    event_bytes,
+    integer,
+    text,
+)
+from gateway.config import SaltReuseSettings
+from gateway.detect import ChoiceOutput, StreamInspector
+from gateway.errors import GatewayError
+
+#: Events that end a Responses stream.
+TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_TEXT_PARTS = ("output_text", "refusal")
+
+
+def finish_reason(response: Mapping[str, Any]) -> str | None:
+    """A response's status in chat terms: "stop" when completed, "length" when cut
+    at ``max_output_tokens``."""
+    status = response.get("status")
+    if status == "completed":
+        return "stop"
+    if status == "incomplete":
+        details = response.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        return "length" if reason == "max_output_tokens" else "incomplete"
+    return None
+
+
+def _part_text(part: object) -> str:
+    if not isinstance(part, dict):
+        return ""
+    return text(part.get("text")) or text(part.get("refusal"))
+
+
+def response_output(response: Mapping[str, Any]) -> ChoiceOutput:
+    """Everything a response said, as one output."""
+    content: list[str] = []
+    reasoning: list[str] = []
+    tool_arguments: list[str] = []
+    items = response.get("output")
+    for item in items if isinstance(items, list) else ():
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type")
+        parts = item.get("content")
+        parts = parts if isinstance(parts, list) else []
+        if kind == "message":
+            content.extend(
+                _part_text(p) for p in parts if isinstance(p, dict) and p.get("type") in _TEXT_PARTS
+            )
+        elif kind == "reasoning":
+            reasoning.extend(_part_text(p) for p in parts)
+            summary = item.get("summary")
+            reasoning.extend(_part_text(p) for p in (summary if isinstance(summary, list) else ()))
+        elif kind == "function_call":
+            tool_arguments.append(text(item.get("arguments")))
+    usage = response.get("usage")
+    tokens = integer(usage.get("output_tokens")) if isinstance(usage, dict) else None
+    return ChoiceOutput(
+        content="".join(content),
+        reasoning="".join(reasoning),
+        tool_arguments=tuple(tool_arguments),
+        finish_reason=finish_reason(response),
+        tokens=tokens,
+    )
+
+
+def read_response_usage(response: Mapping[str, Any]) -> Usage | None:
+    usage = response.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt = integer(usage.get("input_tokens"))
+    if prompt is None:
+        return None
+    details = usage.get("input_tokens_details")
+    cached = integer(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return Usage(prompt, cached)
+
+
+@dataclass(slots=True)
+class ResponsesEventReader(EventReader):
+    inspector: StreamInspector
+    answer_id: str | None = None
+    #: The last sequence number the backend gave: an error the gateway ends the
+    #: stream with takes the next one.
+    sequence_number: int = -1
+
+    def read(self, payload: dict[str, Any]) -> EventSignal:
+        number = payload.get("sequence_number")
+        if type(number) is int:
+            self.sequence_number = number
+        kind = payload.get("type")
+        inspector = self.inspector
+        if kind == "response.output_text.delta" or kind == "response.refusal.delta":
+            inspector.feed_output(0, content=text(payload.get("delta")))
+        elif kind in ("response.reasoning_text.delta", "response.reasoning_summary_text.delta"):
+            inspector.feed_output(0, reasoning=text(payload.get("delta")))
+        elif kind == "response.function_call_arguments.delta":
+            index = integer(payload.get("output_index")) or 0
+            inspector.feed_output(0, tool_index=index, tool_arguments=text(payload.get("delta")))
+        elif kind == "response.output_item.added":
+            item = payload.get("item")
+            if isinstance(item, dict) and item.get("type") == "function_call":
+                index = integer(payload.get("output_index")) or 0
+                inspector.feed_output(0, tool_index=index, tool_arguments="")
+        elif kind == "response.created":
+            inspector.open_choice(0)
+            response = payload.get("response")
+            if isinstance(response, dict):
+                self.answer_id = text(response.get("id")) or None
+        elif kind in TERMINAL_EVENTS:
+            response = payload.get("response")
+            response = response if isinstance(response, dict) else {}
+            inspector.feed_output(0, finish_reason=finish_reason(response) or "incomplete")
+            usage = response.get("usage")
+            if isinstance(usage, dict):
+                inspector.completion_tokens = integer(usage.get("output_tokens"))
+            return EventSignal(ends=True, usage=read_response_usage(response))
+        elif kind == "error":
+            return BACKEND_ERROR
+        return NO_SIGNAL
+
+    def error_event(self, error: GatewayError) -> bytes:
+        return event_bytes(
+            "error",
+            {
+                "type": "error",
+                "code": error.code,
+                "message": error.message,
+                "param": error.param,
+                "sequence_number": self.sequence_number + 1,
+            },
+        )
+
+
+class Responses(ApiAdapter):
+    name: ClassVar[str] = "responses"
+    path: ClassVar[str] = "/v1/responses"
+    routing_fields: ClassVar[tuple[str, ...]] = (
+        "instructions", "previous_response_id", "background", "store",
+    )  # fmt: skip
+    conversation_field: ClassVar[str | None] = "input"
+
+    def conversation_lead(self, body: Mapping[str, Any], settings: SaltReuseSettings) -> object:
+        given = body.get("input")
+        if isinstance(given, str) and given:
+            lead: object = given[: settings.fingerprint_prompt_chars]
+        elif isinstance(given, list) and given:
+            lead = given[: settings.fingerprint_messages]
+        else:
+            return None
+        return [body.get("instructions"), lead]
+
+    def continues(self, body: Mapping[str, Any]) -> str | None:
+        previous = body.get("previous_response_id")
+        return previous if isinstance(previous, str) and previous else None
+
+    def answer_id(self, payload: Mapping[str, Any]) -> str | None:
+        answer_id = payload.get("id")
+        return answer_id if isinstance(answer_id, str) else None
+
+    def unguardable(self, body: Mapping[str, Any]) -> str | None:
+        return "background" if body.get("background") is True else None
+
+    def outputs(self, payload: Mapping[str, Any]) -> Iterable[tuple[int, ChoiceOutput]]:
+        return [(0, response_output(payload))]
+
+    def read_usage(self, payload: Mapping[str, Any]) -> Usage | None:
+        return read_response_usage(payload)
+
+    def event_reader(self, inspector: StreamInspector) -> EventReader:
+        return ResponsesEventReader(inspector)
