@@ -231,6 +231,18 @@ class SaltReuseSettings(_Strict):
     key: SecretStr | None = None
 
 
+class ReleasePolicy(StrEnum):
+    """When a held stream is released (README, "Streams")."""
+
+    #: Once the text is clearly healthy: at least min_release_chars visible
+    #: characters that no longer fit any degenerate pattern.
+    ADAPTIVE = "adaptive"
+    #: At the first visible token that cannot start one of the bug's own signatures
+    #: (a run of punctuation, an empty answer, leaked tokenizer artifacts); longer
+    #: patterns (loops) are left to the after-release policy.
+    FIRST_TOKEN = "first_token"
+
+
 class StreamSettings(_Strict):
     """The adaptive hold-back (README, "Streams"): a stream's first byte is released
     as soon as its held text is clearly healthy, and held while it is still
@@ -243,6 +255,7 @@ class StreamSettings(_Strict):
     #: token_loop_max_unit_chars). 0 disables hold-back (streams are then only
     #: inspected and counted).
     holdback_chars: Annotated[int, Field(ge=0)] | None = None
+    release: ReleasePolicy = ReleasePolicy.ADAPTIVE
     after_release: AfterRelease = AfterRelease.PASS
 
 
@@ -251,6 +264,7 @@ class ModelSettings(_Strict):
 
     detectors: DetectorSettings | None = None
     holdback_chars: Annotated[int, Field(ge=0)] | None = None
+    release: ReleasePolicy | None = None
 
 
 class GuardSettings(_Strict):
@@ -392,6 +406,12 @@ class Settings(BaseSettings):
         if override is not None and override.detectors is not None:
             return override.detectors
         return self.guard.detectors
+
+    def release_for(self, model: str | None) -> ReleasePolicy:
+        override = self.models.get(model) if model is not None else None
+        if override is not None and override.release is not None:
+            return override.release
+        return self.guard.stream.release
 
     def holdback_for(self, model: str | None) -> int:
         """The hold-back ceiling for ``model``, in visible characters (0: off)."""

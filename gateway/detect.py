@@ -269,6 +269,19 @@ def choice_output(choice: Mapping[str, Any], tokens: int | None = None) -> Choic
     )
 
 
+#: Characters a leaked tokenizer artifact (ARTIFACT) can start with.
+_ARTIFACT_STARTS = frozenset("<[\ufffd")
+
+
+def _first_visible(parts: list[str]) -> str:
+    """The first non-whitespace character of the pieces, or ""."""
+    for part in parts:
+        stripped = part.lstrip()
+        if stripped:
+            return stripped[0]
+    return ""
+
+
 def _visible_length(text: str) -> int:
     return len(text) - sum(len(ws) for ws in _WHITESPACE.findall(text))
 
@@ -686,14 +699,38 @@ class StreamInspector:
         return CLEAN if healthy else None
 
     def hold_decision(
-        self, min_release_chars: int, expected_choices: int, ceiling: int, *, full: bool = False
+        self,
+        min_release_chars: int,
+        expected_choices: int,
+        ceiling: int,
+        *,
+        full: bool = False,
+        first_token: bool = False,
     ) -> Verdict | None:
         """``release_decision``, and at the ceiling (or when the held bytes are ``full``)
-        a decision on what is held: the hold-back never outlasts its ceiling."""
+        a decision on what is held: the hold-back never outlasts its ceiling.
+        ``first_token``: released as soon as ``first_token_release`` allows."""
         decision = self.release_decision(min_release_chars, expected_choices)
+        if decision is None and first_token and self.first_token_release(expected_choices):
+            decision = CLEAN
         if decision is None and (self.visible_chars >= ceiling or full):
             decision = self.holdback_verdict()
         return decision
+
+    def first_token_release(self, expected_choices: int) -> bool:
+        """Every choice has shown a first visible character that cannot start one of
+        the bug's signatures: not punctuation that punct_run counts (a run of ``!``),
+        not the start of a tokenizer artifact (``<``, ``[``, U+FFFD). An answer with
+        nothing visible yet may still be empty; a tool call is held until it ends."""
+        if len(self.choices) < expected_choices:
+            return False
+        for state in self.choices.values():
+            if state.tool_arguments:
+                return False
+            first = _first_visible(state.content_parts) or _first_visible(state.reasoning_parts)
+            if not first or first in self.detector.candidates or first in _ARTIFACT_STARTS:
+                return False
+        return True
 
     def _suspicious(self, text: str) -> bool:
         """The text so far could still become a degenerate pattern."""

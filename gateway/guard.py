@@ -32,6 +32,7 @@ from gateway.config import (
     AfterRelease,
     ExhaustedPolicy,
     GuardMode,
+    ReleasePolicy,
     Settings,
 )
 from gateway.detect import (
@@ -426,6 +427,7 @@ class Guard:
         self.ladder = SaltLadder(key.get_secret_value().encode() if key is not None else None)
         self._detectors: dict[str, Detector] = {}
         self._holdback: dict[str | None, int] = {}
+        self._release_policies: dict[str | None, ReleasePolicy] = {}
         #: Several primaries: first attempts follow the conversation (rendezvous).
         self._route_by_conversation = (
             len(pool.primaries) > 1 and settings.upstream.conversation_affinity
@@ -447,6 +449,13 @@ class Guard:
             detector = Detector(self.settings.detectors_for(model))
             self._detectors[model] = detector
         return detector
+
+    def release_for(self, model: str | None) -> ReleasePolicy:
+        configured = model if model in self.settings.models else None  # a bounded set
+        policy = self._release_policies.get(configured)
+        if policy is None:
+            policy = self._release_policies[configured] = self.settings.release_for(configured)
+        return policy
 
     def holdback_for(self, model: str | None) -> int:
         """The hold-back ceiling in visible characters (0: streams are not held)."""
@@ -730,6 +739,7 @@ class Guard:
         if ceiling == 0:
             return
         min_release = min(self.settings.guard.stream.min_release_chars, ceiling)
+        first_token = self.release_for(request.model) is ReleasePolicy.FIRST_TOKEN
         inspector = state.inspector
         held_bytes = 0
         while (forward := await state.next_batch()) is not None:
@@ -738,7 +748,11 @@ class Guard:
                 break
             held_bytes += sum(map(len, forward))
             decision = inspector.hold_decision(
-                min_release, request.n, ceiling, full=held_bytes >= MAX_HELD_BYTES
+                min_release,
+                request.n,
+                ceiling,
+                full=held_bytes >= MAX_HELD_BYTES,
+                first_token=first_token,
             )
             if decision is not None:
                 attempt.verdict = decision

@@ -158,7 +158,7 @@ def test_retries_go_to_the_fixed_backend(
     by_backend = _requests_by_backend(gateway.url)
     assert by_backend == {"fixed": 4.0}  # every answer came from the fixed backend
     metrics = httpx.get(gateway.url + "/metrics").text
-    assert 'vllm_guard_degenerate_responses_total{backend="stock",kind=' in metrics
+    assert 'vllm_guard_degenerate_responses_total{backend="stock",endpoint="chat",kind=' in metrics
     assert fixed_before > 0
     # The gateway reads each backend's own word on the fix, not its configured role.
     fix = "vllm_guard_backend_fix_info"

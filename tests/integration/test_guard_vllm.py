@@ -158,7 +158,7 @@ def test_observe_mode_counts_but_never_retries(
     assert raw.headers["x-vllm-guard-verdict"] == "degenerate"
     metrics = httpx.get(gateway.url + "/metrics").text
     assert (
-        'vllm_guard_degenerate_responses_total{backend="vllm0",kind="punct_run",model="tiny"} 1.0'
+        'vllm_guard_degenerate_responses_total{backend="vllm0",endpoint="chat",kind="punct_run",model="tiny"} 1.0'
         in metrics
     )
 

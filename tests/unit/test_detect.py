@@ -164,7 +164,7 @@ def delta(content: str, finish: str | None = None, field: str = "content") -> di
 
 
 def stream_hold_back(
-    text: str, cuts: list[int], finish: str, field: str = "content"
+    text: str, cuts: list[int], finish: str, field: str = "content", *, first_token: bool = False
 ) -> tuple[DegenerateKind | None, int | None]:
     """Feed ``text`` in pieces as the guard does; return (verdict kind, visible characters
     held at release, or None when the stream ended before a decision)."""
@@ -173,11 +173,11 @@ def stream_hold_back(
     bounds = sorted({c for c in cuts if 0 < c < len(text)})
     for start, end in zip([0, *bounds], [*bounds, len(text)], strict=True):
         inspector.feed(delta(text[start:end], field=field))
-        decision = inspector.hold_decision(MIN_RELEASE, 1, CEILING)
+        decision = inspector.hold_decision(MIN_RELEASE, 1, CEILING, first_token=first_token)
         if decision is not None:
             return decision.kind, inspector.visible_chars
     inspector.feed(delta("", finish))
-    decision = inspector.hold_decision(MIN_RELEASE, 1, CEILING)
+    decision = inspector.hold_decision(MIN_RELEASE, 1, CEILING, first_token=first_token)
     if decision is not None:
         return decision.kind, inspector.visible_chars
     return inspector.final_verdict().kind, None
@@ -282,3 +282,56 @@ def test_one_whitespace_token_at_the_length_limit_is_legitimate_streamed_or_not(
         assert inspector.release_decision(MIN_RELEASE, 1) is None  # waits for the usage
         inspector.completion_tokens = tokens  # what the usage chunk says
         assert inspector.final_verdict().kind == expected
+
+
+# -- the first-token release policy ----------------------------------------------------
+
+#: The bug's own signatures, decidable at the first visible token: nothing visible
+#: (empty), or a first character that starts a punctuation run or an artifact.
+FIRST_TOKEN_SIGNATURES = [
+    e
+    for e in FROM_THE_START
+    if not (e["text"] or "").strip()
+    or e["text"].strip()[0] in DETECTOR.candidates | {"<", "[", "\ufffd"}
+]
+
+
+def test_first_token_signatures_cover_the_fields_failures() -> None:
+    kinds = {e["kind"] for e in FIRST_TOKEN_SIGNATURES}
+    assert {"punct_run", "empty", "special_tokens"} <= kinds
+
+
+@pytest.mark.parametrize(
+    "entry", FIRST_TOKEN_SIGNATURES, ids=lambda e: f"{e['kind']}:{str(e['text'])[:30]!r}"
+)
+@settings(max_examples=25, deadline=None)
+@given(cuts=cut_lists)
+def test_first_token_policy_still_judges_the_bugs_signatures_before_release(
+    entry: dict[str, Any], cuts: list[int]
+) -> None:
+    kind, _ = stream_hold_back(entry["text"] or "", cuts, finish_of(entry), first_token=True)
+    assert kind == DETECTOR.choice_kind(as_choice(entry)) == DegenerateKind(entry["kind"])
+
+
+@pytest.mark.parametrize("entry", LEGITIMATE, ids=lambda e: f"{e['category']}:{e['text'][:30]!r}")
+def test_first_token_policy_releases_healthy_text_no_later_than_adaptive(
+    entry: dict[str, Any],
+) -> None:
+    text = entry["text"]
+    cuts = list(range(1, len(text)))  # a character per event, as tiny models stream
+    field = entry.get("field", "")
+    kind, first = stream_hold_back(text, cuts, finish_of(entry), field, first_token=True)
+    assert kind is None
+    _, adaptive = stream_hold_back(text, cuts, finish_of(entry), field)
+    if adaptive is not None:
+        assert first is not None
+        assert first <= adaptive
+
+
+def test_first_token_policy_releases_at_the_first_word() -> None:
+    kind, released_at = stream_hold_back(
+        "Click the submit button.", [1, 5], "stop", first_token=True
+    )
+    assert (kind, released_at) == (None, 1)
+    # The same answer under the adaptive policy waits for 20 visible characters.
+    assert stream_hold_back("Click the submit button.", [1, 5], "stop")[1] == 21
