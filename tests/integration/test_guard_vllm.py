@@ -158,8 +158,8 @@ def test_observe_mode_counts_but_never_retries(
     assert raw.headers["x-vllm-guard-verdict"] == "degenerate"
     metrics = httpx.get(gateway.url + "/metrics").text
     assert (
-        'vllm_guard_degenerate_responses_total{backend="vllm0",endpoint="chat",kind="punct_run",model="tiny"} 1.0'
-        in metrics
+        'vllm_guard_degenerate_responses_total{backend="vllm0",endpoint="chat",'
+        'kind="punct_run",model="tiny"} 1.0' in metrics
     )
 
 
@@ -321,3 +321,24 @@ def test_max_tokens_1_answers_are_never_retried(
     with ThreadPoolExecutor(6) as pool:
         outcomes = list(pool.map(one, range(60)))
     assert outcomes == ["1/clean"] * 60
+
+
+@pytest.mark.parametrize("kind", ["bang", "eos"])
+def test_first_token_release_still_replaces_a_poisoned_stream(
+    vllm: RunningVLLM, gateway_for: GatewayFactory, kind: str
+) -> None:
+    """``release: first_token`` releases at the first token that cannot start one of
+    the bug's signatures: a run of '!' or an empty answer is still held, judged and
+    retried before the client gets a byte."""
+    gateway = gateway_for(
+        vllm.url, guard={"stream": {"release": "first_token"}, **GENEROUS_BUDGET["guard"]}
+    )
+    messages = fresh_messages()
+    warm(vllm, messages)
+    stream = openai_client(gateway.url).chat.completions.with_raw_response.create(
+        model=vllm.model, messages=messages, max_tokens=40, temperature=0, stream=True,
+        extra_body=poison(1.0, kind),
+    )  # fmt: skip
+    assert stream.headers["x-vllm-guard-verdict"] == "recovered"
+    text = "".join(c.choices[0].delta.content or "" for c in stream.parse() if c.choices)
+    assert text == clean_reference(vllm, messages, 40)

