@@ -517,13 +517,15 @@ class Guard:
                 cause = repr(exc.__cause__) if exc.__cause__ is not None else exc.code
                 if failover is None:
                     log.warning(
-                        "request %s failed: %s (%s)", headers["x-request-id"], exc.message, cause
-                    )
+                        "request %s (%s) failed: %s (%s)",
+                        headers["x-request-id"], request.endpoint, exc.message, cause,
+                    )  # fmt: skip
                     self._finish(trace, backend, "error")
                     raise
                 log.warning(
-                    "attempt %d of %s failed: %s (%s); failing over to %s",
-                    trace.attempts, headers["x-request-id"], exc.message, cause, failover.name,
+                    "attempt %d of %s (%s) failed: %s (%s); failing over to %s",
+                    trace.attempts, headers["x-request-id"], request.endpoint, exc.message, cause,
+                    failover.name,
                 )  # fmt: skip
                 self.metrics.retries.labels(trace.model, backend.name, "backend_error").inc()
                 backend = failover
@@ -549,7 +551,13 @@ class Guard:
             self._capture(attempt, trace, kind)
             if attempt.salt is not None and attempt.salt != request.client_salt:
                 self.salts.forget(self.conversation(trace), attempt.salt)
-            if self.mode is not GuardMode.ENFORCE or not self._may_retry(trace, backend):
+            retrying = self.mode is GuardMode.ENFORCE and self._may_retry(trace, backend)
+            log.info(
+                "request %s (%s): attempt %d from %s degenerate (%s); %s",
+                headers["x-request-id"], request.endpoint, trace.attempts, backend.name, kind,
+                "retrying" if retrying else "not retried",
+            )  # fmt: skip
+            if not retrying:
                 return await self._exhausted(attempt, trace)
             await attempt.discard()
             if attempt.stream is not None:
