@@ -7,6 +7,7 @@ import socket
 import time
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import orjson
 import pytest
@@ -602,3 +603,66 @@ def guard_conversation(guard: object, body: dict[str, object]) -> str | None:
     request = parse_guarded("chat", orjson.dumps(body))
     settings = guard.settings.guard.salt_reuse  # type: ignore[attr-defined]
     return conversation_key("chat", request.body, None, settings)
+
+
+# -- Responses and Messages: a stream that breaks after release ---------------------------
+
+
+def typed_events(url: str, path: str, scenario: str) -> list[tuple[str, dict[str, object]]]:
+    """(event name, data) of a Responses or Messages stream through the gateway."""
+    body = {"model": "stub", "stream": True, "max_tokens": 16, "input": "hi",
+            "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    headers = {"x-stub-scenario": scenario}
+    with httpx.stream("POST", url + path, json=body, headers=headers, timeout=30) as response:
+        assert response.status_code == 200
+        raw = response.read()
+    events = []
+    for block in raw.split(b"\n\n"):
+        lines = dict(line.split(b": ", 1) for line in block.split(b"\n") if b": " in line)
+        if b"data" in lines:
+            events.append((lines[b"event"].decode(), orjson.loads(lines[b"data"])))
+    return events
+
+
+def test_a_responses_stream_that_breaks_after_release_ends_with_a_responses_error_event(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    gateway = gateway_for(stub.url)
+    events = typed_events(gateway.url, "/v1/responses", "sse-drop")
+    name, error = events[-1]
+    assert name == "error"
+    assert error["type"] == "error"
+    assert error["code"] == "backend_unreachable"
+    # The gateway's event continues the stream's sequence numbers.
+    assert [e["sequence_number"] for _, e in events] == list(range(len(events)))
+    clean = typed_events(gateway.url, "/v1/responses", "clean")
+    assert clean[-1][0] == "response.completed"
+    assert wait_for(lambda: stub.state.open_streams == 0, timeout_s=5)
+
+
+def test_a_messages_stream_that_breaks_after_release_ends_with_an_anthropic_error_event(
+    stub: StubBackend, gateway_for: GatewayFactory
+) -> None:
+    gateway = gateway_for(stub.url)
+    events = typed_events(gateway.url, "/v1/messages", "sse-drop")
+    name, error = events[-1]
+    assert name == "error"
+    assert error["type"] == "error"
+    assert error["error"]["type"] == "api_error"  # type: ignore[index]
+    assert (
+        "".join(
+            str(e["delta"]["text"])
+            for n, e in events
+            if n == "content_block_delta"  # type: ignore[index]
+        )
+        == "The button is at the top right of the page. "
+    )
+    # The official SDK raises it as an API error, mid-stream.
+    client = anthropic.Anthropic(base_url=gateway.url, api_key="k", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as caught, client.messages.stream(
+        model="stub", max_tokens=16, messages=[{"role": "user", "content": "hi"}],
+        extra_headers={"x-stub-scenario": "sse-drop"},
+    ) as stream:  # fmt: skip
+        for _ in stream.text_stream:
+            pass
+    assert caught.value.body["error"]["type"] == "api_error"  # type: ignore[index]

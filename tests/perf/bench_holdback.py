@@ -20,6 +20,7 @@ import json
 import random
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,20 +200,24 @@ def main() -> None:
     args = parser.parse_args()
     report = recall_section(3 if args.quick else 10)
     print("\n".join(report), flush=True)
+    section = against_vllm(args.vllm, "holdback", lambda url: first_byte_section(url, args.quick))
+    print("\n" + "\n".join(section))
+
+
+def against_vllm(url: str, name: str, section: Callable[[str], list[str]]) -> list[str]:
+    """``section(url)`` against the vLLM at ``url``, or a tiny one started for it."""
     server = None
-    url = args.vllm
     if not url:
         model = ensure_model(Path("/tmp/vllm-guard-bench/tiny-model"))
-        server = VLLMServer(model, Path("/tmp/vllm-guard-bench/vllm-holdback.log"))
+        server = VLLMServer(model, Path(f"/tmp/vllm-guard-bench/vllm-{name}.log"))
         server.start()
         server.wait_ready()
         url = server.url
     try:
-        section = first_byte_section(url, args.quick)
+        return section(url)
     finally:
         if server is not None:
             server.stop()
-    print("\n" + "\n".join(section))
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from bench_gateway import GatewayProcess  # noqa: E402
-from bench_holdback import delta, finish_of, load, pieces  # noqa: E402
-from support.servers import MODEL_NAME, VLLMServer, ensure_model, vllm_python  # noqa: E402
+from bench_holdback import against_vllm, delta, finish_of, load, pieces  # noqa: E402
+from support.servers import MODEL_NAME, ensure_model, vllm_python  # noqa: E402
 from support.workload import is_corrupt  # noqa: E402
 
 from gateway.config import DetectorSettings  # noqa: E402
@@ -40,7 +40,7 @@ from gateway.detect import DegenerateKind, Detector  # noqa: E402
 MIN_RELEASE, CEILING = 20, 1024
 POLICIES = ("adaptive", "first_token")
 GENEROUS_BUDGET = {"ratio": 1.0, "min_per_second": 10.0}
-MODEL_DIR = Path("/tmp/vllm-guard-bench/tiny-model")
+MODEL_DIR = Path("/tmp/vllm-guard-bench/tiny-model")  # the one against_vllm serves
 
 
 def released_verdict(
@@ -184,19 +184,8 @@ def main() -> None:
     parser.add_argument("--vllm", default="", help="use this vLLM instead of starting one")
     args = parser.parse_args()
     print("\n".join(recall_section(3 if args.quick else 10)), flush=True)
-    ensure_model(MODEL_DIR)
-    server = None
-    url = args.vllm
-    if not url:
-        server = VLLMServer(MODEL_DIR, Path("/tmp/vllm-guard-bench/vllm-release.log"))
-        server.start()
-        server.wait_ready()
-        url = server.url
-    try:
-        section = serve_section(url, args.quick)
-    finally:
-        if server is not None:
-            server.stop()
+    ensure_model(MODEL_DIR)  # bench serve reads its tokenizer
+    section = against_vllm(args.vllm, "release", lambda url: serve_section(url, args.quick))
     print("\n" + "\n".join(section))
 
 

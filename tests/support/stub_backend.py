@@ -36,6 +36,62 @@ SCRAPED_PATHS = frozenset({"/metrics", "/version", "/v1/models"})
 CLEAN_WORDS = ["The ", "button ", "is ", "at ", "the ", "top ", "right ", "of ", "the ", "page. "]
 
 
+def typed_event(name: str, payload: dict[str, object]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+class ResponsesEvents:
+    """One stream of vLLM's Responses events, numbered from 0."""
+
+    def __init__(self) -> None:
+        self.number = 0
+
+    def event(self, name: str, **fields: object) -> bytes:
+        payload = {"type": name, "sequence_number": self.number, **fields}
+        self.number += 1
+        return typed_event(name, payload)
+
+    def head(self) -> bytes:
+        return self.event("response.created", response={"id": "resp_stub", "output": []})
+
+    def text(self, word: str) -> bytes:
+        return self.event("response.output_text.delta", delta=word, output_index=0)
+
+    def tail(self) -> bytes:
+        return self.event(
+            "response.completed",
+            response={"id": "resp_stub", "status": "completed",
+                      "usage": {"input_tokens": 5, "output_tokens": 10}},
+        )  # fmt: skip
+
+
+class MessagesEvents:
+    """One stream of vLLM's Messages events: one text block."""
+
+    def head(self) -> bytes:
+        message = {"id": "msg_stub", "type": "message", "role": "assistant", "content": [],
+                   "model": "stub", "usage": {"input_tokens": 5, "output_tokens": 0}}  # fmt: skip
+        return typed_event("message_start", {"type": "message_start", "message": message}) + (
+            typed_event("content_block_start", {"type": "content_block_start", "index": 0,
+                                                "content_block": {"type": "text", "text": ""}})
+        )  # fmt: skip
+
+    def text(self, word: str) -> bytes:
+        delta = {"type": "text_delta", "text": word}
+        return typed_event(
+            "content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}
+        )
+
+    def tail(self) -> bytes:
+        usage = {"input_tokens": 5, "output_tokens": 10}
+        return (
+            typed_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            + typed_event("message_delta", {"type": "message_delta",
+                                            "delta": {"stop_reason": "end_turn"}, "usage": usage})
+            + typed_event("message_stop", {"type": "message_stop"})
+        )  # fmt: skip
+
+
 def add_repeated_headers(response: Response) -> None:
     """Two Set-Cookie, two Vary, and a header the backend marks hop-by-hop."""
     response.raw_headers += [
@@ -103,6 +159,30 @@ def build_app(state: StubState) -> Starlette:
         finally:
             state.open_streams -= 1
 
+    async def typed_stream(path: str, scenario: str) -> AsyncIterator[bytes]:
+        """A Responses or Messages event stream (vLLM's shapes) of CLEAN_WORDS;
+        ``sse-drop`` drops the connection after the words (after release)."""
+        state.open_streams += 1
+        try:
+            events = ResponsesEvents() if path == "/v1/responses" else MessagesEvents()
+            yield events.head()
+            for word in CLEAN_WORDS:
+                yield events.text(word)
+                await asyncio.sleep(0.005)
+            if scenario == "sse-drop":
+                raise ConnectionResetError("stub drops the connection mid-stream")
+            yield events.tail()
+        finally:
+            state.open_streams -= 1
+
+    async def typed_api(request: Request) -> Response:
+        body = orjson.loads(await request.body())
+        state.requests.append(body)
+        scenario = request.headers.get("x-stub-scenario", "clean")
+        return StreamingResponse(
+            typed_stream(request.url.path, scenario), media_type="text/event-stream"
+        )
+
     async def completions(request: Request) -> Response:
         body = orjson.loads(await request.body())
         state.requests.append(body)
@@ -165,6 +245,8 @@ def build_app(state: StubState) -> Starlette:
         routes=[
             Route("/v1/chat/completions", completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/responses", typed_api, methods=["POST"]),
+            Route("/v1/messages", typed_api, methods=["POST"]),
             Route("/health", health),
             Route("/{rest:path}", anything, methods=["GET", "POST", "PUT", "DELETE"]),
         ]
