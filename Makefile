@@ -7,7 +7,7 @@ VLLM_VENV ?= $(HOME)/.cache/vllm-guard/vllm-venv
 CONFIG ?= config/vllm-guard.yaml
 export VLLM_VENV
 
-.PHONY: setup run test lint unit vllm prometheus tiny-vllm demo bench bench-release bench-proxy soak clean
+.PHONY: setup run test lint unit vllm prometheus tiny-vllm demo bench bench-apis bench-release bench-proxy soak clean
 
 $(BIN)/vllm-guard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,9 @@ demo: setup ## the tiny vLLM with a poisoned prefix cache, direct vs. through th
 
 bench: setup vllm ## gateway vs. direct: latency, poisoned workload, detector cost
 	$(BIN)/python tests/perf/bench_gateway.py
+
+bench-apis: setup vllm ## every guarded API: corrupt delivered direct vs gateway, first byte per release policy
+	$(BIN)/python tests/perf/bench_apis.py
 
 bench-release: setup vllm ## release policies (adaptive vs first_token): corpus recall, vLLM bench serve direct vs gateway
 	$(BIN)/python tests/perf/bench_release.py

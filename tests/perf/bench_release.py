@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -140,8 +141,10 @@ def bench_serve(url: str, prompts: int, poison_rate: float, seed: int) -> dict[s
     return result
 
 
-def serve_section(url: str, quick: bool) -> list[str]:
-    prompts = 32 if quick else 96
+def serve_section(url: str, quick: bool, poison_rate: float) -> list[str]:
+    """Every route runs the same prompts (one seed per round), in a rotated order each
+    round so that none always meets a warmer prefix cache; medians over rounds."""
+    prompts, rounds = (32, 1) if quick else (96, 3)
     gateways = {
         policy: GatewayProcess(
             url,
@@ -154,22 +157,34 @@ def serve_section(url: str, quick: bool) -> list[str]:
         gateway.__enter__()
     lines = [
         f"## vllm bench serve: prefix_repetition 4 x 512 tokens, 16-token answers, c=8, "
-        f"{prompts} prompts",
+        f"{prompts} prompts, median of {rounds} rounds",
         "",
         "| backend | route | TTFT p50 / p99 ms | ITL p50 ms | E2E p50 ms | corrupt delivered |",
         "|---|---|---|---|---|---|",
     ]
+    targets = {"direct": url, **{f"gateway, {p}": g.url for p, g in gateways.items()}}
     try:
-        for label, rate in (("unpoisoned", 0.0), ("poisoned (vg_poison_rate 0.1)", 0.1)):
-            targets = {"direct": url, **{f"gateway, {p}": g.url for p, g in gateways.items()}}
-            for seed, (route, target) in enumerate(targets.items()):
-                result = bench_serve(target, prompts, rate, seed=seed + (100 if rate else 0))
-                texts = result.get("generated_texts", [])
+        runs = (("unpoisoned", 0.0), (f"poisoned (vg_poison_rate {poison_rate})", poison_rate))
+        for label, rate in runs:
+            results: dict[str, list[dict[str, Any]]] = {route: [] for route in targets}
+            for round_ in range(rounds):
+                order = (
+                    list(targets)[round_ % len(targets) :] + list(targets)[: round_ % len(targets)]
+                )
+                for route in order:
+                    seed = round_ + (100 if rate else 0)
+                    results[route].append(bench_serve(targets[route], prompts, rate, seed))
+            for route, runs_ in results.items():
+
+                def median(key: str, runs_: list[dict[str, Any]] = runs_) -> float:
+                    return statistics.median(r[key] for r in runs_)
+
+                texts = [t for r in runs_ for t in r.get("generated_texts", [])]
                 corrupt = sum(is_corrupt(t) for t in texts)
                 lines.append(
-                    f"| {label} | {route} | {result['median_ttft_ms']:.0f} / "
-                    f"{result['p99_ttft_ms']:.0f} | {result['median_itl_ms']:.1f} | "
-                    f"{result['median_e2el_ms']:.0f} | {corrupt} of {len(texts)} |"
+                    f"| {label} | {route} | {median('median_ttft_ms'):.0f} / "
+                    f"{median('p99_ttft_ms'):.0f} | {median('median_itl_ms'):.1f} | "
+                    f"{median('median_e2el_ms'):.0f} | {corrupt} of {len(texts)} |"
                 )
                 print(lines[-1], flush=True)
     finally:
@@ -182,10 +197,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--vllm", default="", help="use this vLLM instead of starting one")
+    parser.add_argument(
+        "--poison-rate", type=float, default=0.3, help="share of cached blocks that poison a hit"
+    )
     args = parser.parse_args()
     print("\n".join(recall_section(3 if args.quick else 10)), flush=True)
     ensure_model(MODEL_DIR)  # bench serve reads its tokenizer
-    section = against_vllm(args.vllm, "release", lambda url: serve_section(url, args.quick))
+    section = against_vllm(
+        args.vllm, "release", lambda url: serve_section(url, args.quick, args.poison_rate)
+    )
     print("\n" + "\n".join(section))
 
 
