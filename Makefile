@@ -23,14 +23,15 @@ run: setup ## set up and run the gateway (backend from config, default http://12
 vllm: ## install the vLLM CPU build into its own virtualenv (idempotent)
 	bash tests/support/install_vllm.sh
 
-prometheus: ## the real Prometheus + promtool, and kubectl (its kustomize), from Debian, used by the tests
+prometheus: ## the real Prometheus + promtool, kubectl (its kustomize) and redis-server, from Debian, used by the tests
 	@# Each package only when its tool is missing: an image may ship its own kubectl,
 	@# which Debian's kubernetes-client would conflict with.
 	@missing=""; \
 	  { command -v prometheus >/dev/null && command -v promtool >/dev/null; } || missing="prometheus"; \
 	  command -v kubectl >/dev/null || missing="$$missing kubernetes-client"; \
+	  command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	  [ -z "$$missing" ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; }
-	@systemctl stop prometheus 2>/dev/null || true
+	@systemctl stop prometheus redis-server 2>/dev/null || true
 
 lint: setup
 	$(BIN)/ruff check gateway tests

@@ -349,6 +349,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         runtime = Runtime(settings, pool.session, pool, metrics, guard, scraper)
         assert isinstance(app, GatewayApp)
         app.runtime = runtime
+        if guard.shared_salts is not None:
+            await guard.shared_salts.connect()
         await pool.check_all(initial=True)
         await scraper.scrape_once()
         pool.start()
@@ -362,11 +364,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 "so other workers and replicas retry a conversation in other cache "
                 "namespaces (set the key to share them)"
             )
+        if settings.server.workers > 1 and guard.shared_salts is None:
+            log.info(
+                "state.redis_url is not set: the %d workers each keep their own conversation "
+                "memory (a turn on another worker retries before it finds the clean salt)",
+                settings.server.workers,
+            )
         try:
             yield
         finally:
             await scraper.stop()
             await pool.stop()
+            if guard.shared_salts is not None:
+                await guard.shared_salts.close()
 
     app = GatewayApp(
         title="vllm-guard",

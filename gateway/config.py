@@ -364,6 +364,29 @@ class EvidenceSettings(_Strict):
     max_output_chars: Annotated[int, Field(ge=16)] = 2000
 
 
+class StateSettings(_Strict):
+    """Conversation memory shared by every worker and replica (README, "State")."""
+
+    #: redis://[:password@]host:port/db (or rediss://, Valkey alike); null: each
+    #: process keeps its own memory. From a secret: VLLM_GUARD_STATE__REDIS_URL.
+    redis_url: SecretStr | None = None
+    #: Longest wait for one lookup before the request goes on with local memory.
+    lookup_timeout_ms: Annotated[float, Field(gt=0, le=1000)] = 5.0
+    #: Prefix of every key the gateway writes (several deployments, one Redis).
+    key_prefix: str = "vllm-guard:"
+    #: After a failure, how often the connection is tried again in the background.
+    reconnect_s: Annotated[float, Field(gt=0)] = 5.0
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: SecretStr | None) -> SecretStr | None:
+        if url is None or not url.get_secret_value():
+            return None  # an empty value (an optional Secret left blank): not shared
+        if not url.get_secret_value().startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("state.redis_url must start with redis://, rediss:// or unix://")
+        return url
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         extra="forbid", frozen=True, env_prefix="VLLM_GUARD_", env_nested_delimiter="__"
@@ -375,6 +398,7 @@ class Settings(BaseSettings):
     auth: AuthSettings = AuthSettings()
     metrics: MetricsSettings = MetricsSettings()
     evidence: EvidenceSettings = EvidenceSettings()
+    state: StateSettings = StateSettings()
     #: Model name -> overrides. Also the bounded set of model label values.
     models: dict[str, ModelSettings] = Field(default_factory=dict)
 

@@ -58,6 +58,7 @@ from gateway.relay import BodyWriter, RelayResponse, body_frame
 from gateway.request import GuardedRequest, attempt_overrides, body_with
 from gateway.retry import AnswerChains, SaltMemory, conversation_key
 from gateway.salt import SaltLadder, fresh_salt
+from gateway.shared_state import SharedSaltMemory
 from gateway.sse import DONE, EventTooLarge, SSEEvent, SSEParser, lf_event
 from gateway.upstream import (
     Backend,
@@ -421,7 +422,14 @@ class Guard:
         self.rng = rng or random.Random()
         self.budget = RetryBudget(settings.guard.budget)
         self.stalls = StallWatch(settings.upstream.timeouts.read_s)
-        self.salts = SaltMemory(settings.guard.salt_reuse)
+        local_salts = SaltMemory(settings.guard.salt_reuse)
+        #: Shared through Redis when ``state.redis_url`` is set (gateway.shared_state).
+        self.shared_salts = (
+            SharedSaltMemory(local_salts, settings.state, settings.guard.salt_reuse, metrics)
+            if settings.state.redis_url is not None
+            else None
+        )
+        self.salts: SaltMemory | SharedSaltMemory = self.shared_salts or local_salts
         self.chains = AnswerChains(settings.guard.salt_reuse.max_entries)
         key = settings.guard.salt_reuse.key
         self.ladder = SaltLadder(key.get_secret_value().encode() if key is not None else None)
@@ -497,7 +505,10 @@ class Guard:
         )
         self.budget.record_request()
         salt = request.client_salt
-        remembered = self.salts.get(trace.conversation)
+        if self.shared_salts is not None and trace.conversation is not None:
+            remembered = await self.shared_salts.lookup(trace.conversation)
+        else:
+            remembered = self.salts.get(trace.conversation)
         if remembered is not None and settings.salt_reuse.on_first_attempt:
             salt, trace.rung = remembered
             self.metrics.salt_reuse.labels(trace.model, "first").inc()

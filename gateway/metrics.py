@@ -252,6 +252,20 @@ class Metrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+        self.state_errors = Counter(
+            "vllm_guard_state_errors",
+            "Shared-state (Redis) operations that failed or missed their deadline; the "
+            "request went on with this process's own memory. op: get, set, forget, ping.",
+            ["op"],
+            registry=r,
+        )
+        self.state_shared = Gauge(
+            "vllm_guard_state_shared",
+            "1 while conversation memory is shared through Redis; 0 while this process "
+            "falls back to its own (Redis unset, slow or gone).",
+            registry=r,
+            multiprocess_mode="min",
+        )
         self.in_flight = LiveGauge(
             "vllm_guard_requests_in_flight",
             "Guarded requests being worked on or streamed right now (a scaling signal).",

@@ -133,3 +133,16 @@ def test_multiprocess_files_go_to_a_directory_of_their_own(tmp_path: Path) -> No
             os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
         else:
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = before
+
+
+def test_redis_url_blank_is_unset_and_a_bad_scheme_is_refused() -> None:
+    from pydantic import ValidationError
+
+    from gateway.config import Settings
+
+    assert Settings.model_validate({"state": {"redis_url": ""}}).state.redis_url is None
+    shared = Settings.model_validate({"state": {"redis_url": "redis://:pw@cache:6379/0"}})
+    assert shared.state.redis_url is not None
+    assert "pw" not in repr(shared.state)  # a secret: never printed
+    with pytest.raises(ValidationError, match="redis://"):
+        Settings.model_validate({"state": {"redis_url": "http://cache:6379"}})
