@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from support.servers import (
     MODEL_NAME,
     GatewayServer,
+    RunningRedis,
     VLLMServer,
     ensure_model,
     free_port,
@@ -169,61 +167,10 @@ def openai_client(base_url: str, **kwargs: Any) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url + "/v1", api_key="test-key", max_retries=0, **kwargs)
 
 
-class RunningRedis:
-    """A real ``redis-server`` (Debian's package) on a free port, no persistence."""
-
-    def __init__(self, port: int, log_path: Path) -> None:
-        self.port = port
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                   "--save", "", "--appendonly", "no"]  # fmt: skip
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        assert wait_for(self.answers, timeout_s=15), "redis-server did not start"
-
-    def answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
-                conn.sendall(b"PING\r\n")
-                return conn.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def command(self, *args: str) -> bytes:
-        """One command in RESP, its raw reply (enough for GET, KEYS, DBSIZE)."""
-        payload = f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)
-        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as conn:
-            conn.sendall(payload.encode())
-            return conn.recv(65536)
-
-    def pause(self) -> None:
-        """A Redis that hangs: connections open, nothing answered."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.send_signal(signal.SIGCONT)
-            self.process.terminate()
-            self.process.wait(timeout=15)
-            self.process = None
-
-
 @pytest.fixture
 def redis_server() -> Iterator[RunningRedis]:
-    server = RunningRedis(free_port(), ARTIFACTS / "redis.log")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    server = RunningRedis(free_port(), ARTIFACTS / "redis.log")
     server.start()
     try:
         yield server

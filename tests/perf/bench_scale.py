@@ -32,7 +32,13 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from bench_gateway import GatewayProcess, vllm_counter  # noqa: E402
-from support.servers import MODEL_NAME, VLLMServer, ensure_model  # noqa: E402
+from support.servers import (  # noqa: E402
+    MODEL_NAME,
+    RunningRedis,
+    VLLMServer,
+    ensure_model,
+    free_port,
+)
 from support.workload import is_corrupt, run_workload  # noqa: E402
 
 KEY = "bench-shared-salt-key"
@@ -120,6 +126,10 @@ def main() -> None:
             server.wait_ready()
             urls = [server.url]
         vllm = urls[0]
+        redis = RunningRedis(free_port(), Path("/tmp/vllm-guard-bench/redis.log"))
+        redis.start()
+        stack.callback(redis.stop)
+        shared = {"redis_url": redis.url}
         # The same episodes (seed) for every run of the first group; each run gets
         # fresh system prompts (the seed is in them), so no run reuses another's cache.
         seeds = iter(range(base_seed, base_seed + 100))
@@ -135,6 +145,9 @@ def main() -> None:
             "gateway, --workers 2, shared key": {
                 "guard": {"salt_reuse": {"key": KEY}}, "server": {"workers": 2}},
             "gateway, --workers 2, no key (per-process ladders)": {"server": {"workers": 2}},
+            "gateway, --workers 2, shared key, Redis": {
+                "guard": {"salt_reuse": {"key": KEY}}, "server": {"workers": 2},
+                "state": shared},
         }  # fmt: skip
         for name, config in configs.items():
             with GatewayProcess(vllm, f"scale-{len(lines)}", **config) as gateway:
@@ -145,6 +158,13 @@ def main() -> None:
             GatewayProcess(vllm, "alt-b", guard={"salt_reuse": {"key": KEY}}) as b,
         ):
             lines.append(run("two gateways alternating turns, shared key", Alternating(
+                [a.url, b.url]), [vllm], shape, next(seeds), poisoned, baseline)[0])  # fmt: skip
+        redis_config = {"guard": {"salt_reuse": {"key": KEY}}, "state": shared}
+        with (
+            GatewayProcess(vllm, "alt-redis-a", **redis_config) as a,
+            GatewayProcess(vllm, "alt-redis-b", **redis_config) as b,
+        ):
+            lines.append(run("two gateways alternating turns, shared key, Redis", Alternating(
                 [a.url, b.url]), [vllm], shape, next(seeds), poisoned, baseline)[0])  # fmt: skip
         if args.replicas:
             model = ensure_model(Path("/tmp/vllm-guard-bench/tiny-model"))

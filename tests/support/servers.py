@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -33,7 +35,8 @@ from gateway.localvllm import (
 from gateway.protocol import ServerHooksProtocol
 
 __all__ = [
-    "MODEL_NAME", "SUPPORT", "GatewayServer", "ThreadedServer", "VLLMServer", "ensure_model",
+    "MODEL_NAME", "SUPPORT", "GatewayServer", "RunningRedis", "ThreadedServer", "VLLMServer",
+    "ensure_model",
     "free_port",
     "gateway_settings", "vllm_python", "wait_http",
 ]  # fmt: skip
@@ -87,6 +90,61 @@ class GatewayServer(ThreadedServer):
     @property
     def runtime(self) -> Any:
         return self.app.runtime
+
+
+class RunningRedis:
+    """A real ``redis-server`` (Debian's package) on a free port, no persistence."""
+
+    def __init__(self, port: int, log_path: Path) -> None:
+        self.port = port
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                   "--save", "", "--appendonly", "no"]  # fmt: skip
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while not self.answers():
+            if time.monotonic() > deadline:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+
+    def answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                conn.sendall(b"PING\r\n")
+                return conn.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def command(self, *args: str) -> bytes:
+        """One command in RESP, its raw reply (enough for GET, KEYS, DBSIZE)."""
+        payload = f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as conn:
+            conn.sendall(payload.encode())
+            return conn.recv(65536)
+
+    def pause(self) -> None:
+        """A Redis that hangs: connections open, nothing answered."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGCONT)
+            self.process.terminate()
+            self.process.wait(timeout=15)
+            self.process = None
 
 
 def gateway_settings(backend_urls: list[str] | str, **sections: Any) -> Settings:
