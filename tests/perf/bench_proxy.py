@@ -1,14 +1,15 @@
 """The gateway's own cost against a fast stub backend, beside nginx and LiteLLM.
 
     make bench-proxy        # installs nginx (Debian) and LiteLLM (own venv) if missing
-    .venv/bin/python tests/perf/bench_proxy.py [--rounds 3] [--peers nginx,litellm]
+    .venv/bin/python tests/perf/bench_proxy.py [--rounds 3] [--peers nginx,litellm,redis]
 
 Every proxy is one process in front of the same aiohttp stub that answers
 instantly, so only the proxy's own cost shows. Interleaved and repeated: small
 non-streaming requests (~1.3 KB body) at c=1 and c=32, streams of 24 SSE events
 (vLLM 0.32's own event bytes) written at once or paced (a token every 2 ms, as
 vLLM streams them: each event its own network read), and ~3 MB bodies (three
-base64 screenshots). Prints requests/s, p50/p99, the
+base64 screenshots). Peer ``redis``: the gateway again with ``state.redis_url`` (a
+local redis-server), for the cost of shared conversation memory. Prints requests/s, p50/p99, the
 added latency against going direct, and each proxy's CPU time per request / per
 event (from /proc), in one table.
 """
@@ -33,9 +34,11 @@ import orjson
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "perf"))
+sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from bench_gateway import ARTIFACTS, GatewayProcess, ServiceProcess, pct  # noqa: E402
+from support.servers import RunningRedis  # noqa: E402
 
 from gateway.localvllm import free_port, wait_http  # noqa: E402
 
@@ -298,6 +301,14 @@ def main() -> None:
             gateway = stack.enter_context(GatewayProcess(stub_url, "proxy-bench"))
             proxies: list[tuple[str, ServiceProcess]] = [("vllm-guard", gateway)]
             peers = [p for p in args.peers.split(",") if p]
+            if "redis" in peers:  # the gateway again, its conversation memory in Redis
+                redis = RunningRedis(free_port(), ARTIFACTS / "redis.log")
+                redis.start()
+                stack.callback(redis.stop)
+                shared = GatewayProcess(
+                    stub_url, "proxy-bench-redis", state={"redis_url": redis.url}
+                )
+                proxies.append(("vllm-guard + Redis", stack.enter_context(shared)))
             if "aiohttp" in peers:
                 proxies.append(("aiohttp", stack.enter_context(aiohttp_peer(stub_url))))
             if "asgi" in peers:
