@@ -11,6 +11,9 @@ import sys
 import tempfile
 from typing import Any
 
+import orjson
+from pydantic import SecretStr
+
 from gateway import __version__
 from gateway.config import ConfigError, Settings, load_settings
 
@@ -93,7 +96,7 @@ def serve(args: argparse.Namespace) -> int:
         serve_metrics_port(
             settings.metrics.host, settings.metrics.port, settings.metrics.api_key_sha256
         )
-    os.environ[RESOLVED_SETTINGS_ENV] = settings.model_dump_json()
+    os.environ[RESOLVED_SETTINGS_ENV] = resolved_settings_json(settings)
     server = settings.server
     from gateway.logs import log_config
     from gateway.protocol import EdgeHttpToolsProtocol, connection_limit
@@ -134,6 +137,19 @@ def check_config(args: argparse.Namespace) -> int:
         f"characters, ceiling {settings.holdback_for(None)}"
     )
     return 0
+
+
+def resolved_settings_json(settings: Settings) -> str:
+    """The settings for the worker processes, secrets included: pydantic's JSON masks
+    a ``SecretStr`` as ``**********``, which gave every worker the salt-ladder key
+    ``**********`` (shared, but one anybody can compute) and no Redis URL at all."""
+
+    def reveal(value: object) -> object:
+        if isinstance(value, SecretStr):
+            return value.get_secret_value()
+        raise TypeError(type(value).__name__)
+
+    return orjson.dumps(settings.model_dump(mode="python"), default=reveal).decode()
 
 
 def hash_key_command(args: argparse.Namespace) -> int:

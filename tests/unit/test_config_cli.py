@@ -146,3 +146,24 @@ def test_redis_url_blank_is_unset_and_a_bad_scheme_is_refused() -> None:
     assert "pw" not in repr(shared.state)  # a secret: never printed
     with pytest.raises(ValidationError, match="redis://"):
         Settings.model_validate({"state": {"redis_url": "http://cache:6379"}})
+
+
+def test_workers_get_the_settings_with_their_secrets() -> None:
+    """``serve --workers N`` hands its settings to the workers as JSON: secrets must
+    arrive as they are, not as pydantic's ``**********``."""
+    from gateway.cli import resolved_settings_json
+    from gateway.config import Settings
+
+    settings = Settings.model_validate(
+        {
+            "guard": {"salt_reuse": {"key": "ladder-secret"}, "mode": "observe"},
+            "state": {"redis_url": "redis://:pw@cache:6379/0"},
+            "upstream": {"backends": [{"name": "a", "url": "http://127.0.0.1:8000"}]},
+        }
+    )
+    worker = Settings.model_validate_json(resolved_settings_json(settings))
+    assert worker == settings
+    assert worker.guard.salt_reuse.key is not None
+    assert worker.guard.salt_reuse.key.get_secret_value() == "ladder-secret"
+    assert worker.state.redis_url is not None
+    assert worker.state.redis_url.get_secret_value() == "redis://:pw@cache:6379/0"
