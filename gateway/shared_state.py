@@ -16,10 +16,11 @@ state:
   ``<rung>:<salt>``; the ladder's key is never stored.
 
 Redis is never on the request's failure path: a lookup past its deadline, or any
-error, answers from the local memory, is counted in
-``vllm_guard_state_errors_total{op}``, and is logged once per change of state;
-``vllm_guard_state_shared`` drops to 0 and the connection is tried again in the
-background every ``state.reconnect_s`` until Redis answers.
+error, answers from the local memory and is counted in
+``vllm_guard_state_errors_total{op}``. Three failures in a row, or a lost
+connection, stop the lookups: logged once, ``vllm_guard_state_shared`` drops to 0,
+and the connection is tried again in the background every ``state.reconnect_s``
+until Redis answers.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 import redis.asyncio
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.config import SaltReuseSettings, StateSettings
@@ -48,6 +50,9 @@ if value and string.sub(value, -string.len(ARGV[1]) - 1) == ':' .. ARGV[1] then
 end
 return 0
 """
+#: Lookups in a row that fail or miss their deadline before the process stops asking
+#: (one slow answer on a busy host is not an outage).
+FAILURES_BEFORE_FALLBACK = 3
 #: Longest wait for a background write or a reconnection probe.
 _BACKGROUND_TIMEOUT_S = 1.0
 
@@ -75,6 +80,10 @@ class SharedSaltMemory:
             socket_timeout=_BACKGROUND_TIMEOUT_S,
         )
         self.healthy = True
+        #: Failures since the last success: a lookup that misses its deadline once is
+        #: answered locally; FAILURES_BEFORE_FALLBACK in a row (or a lost connection)
+        #: stop the lookups until Redis answers again.
+        self._failures_in_a_row = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reconnecting: asyncio.Task[None] | None = None
         metrics.state_shared.set(1)
@@ -99,13 +108,19 @@ class SharedSaltMemory:
         if key is None:
             return None
         if self.healthy:
-            try:
-                async with asyncio.timeout(self.timeout_s):
-                    raw = await self.client.get(self.prefix + key)
-            except (TimeoutError, RedisError, OSError) as exc:
+            # asyncio.wait rather than asyncio.timeout: after the event loop stalls (a
+            # busy host), an answer that arrived in time is taken, not cancelled by a
+            # deadline timer that happens to run first. A late GET finishes on its own.
+            get = asyncio.ensure_future(self.client.get(self.prefix + key))
+            await asyncio.wait((get,), timeout=self.timeout_s)
+            if not get.done():
+                get.add_done_callback(_consume)
+                self._failed("get", TimeoutError())
+            elif (exc := get.exception()) is not None:
                 self._failed("get", exc)
             else:
-                entry = _decode(raw)
+                self._failures_in_a_row = 0
+                entry = _decode(get.result())
                 if entry is not None:
                     self.local.remember(key, *entry)
                     return entry
@@ -148,7 +163,11 @@ class SharedSaltMemory:
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self.metrics.state_errors.labels(op).inc()
+        self._failures_in_a_row += 1
         if not self.healthy:
+            return
+        lost = isinstance(exc, RedisConnectionError | OSError)
+        if not lost and self._failures_in_a_row < FAILURES_BEFORE_FALLBACK:
             return
         self.healthy = False
         self.metrics.state_shared.set(0)
@@ -169,10 +188,17 @@ class SharedSaltMemory:
                 self.metrics.state_errors.labels("ping").inc()
                 continue
             self.healthy = True
+            self._failures_in_a_row = 0
             self.metrics.state_shared.set(1)
             log.warning("shared state (Redis) answers again; conversation memory is shared")
             self._reconnecting = None
             return
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    """Retrieve a late lookup's outcome, so that asyncio does not log it as lost."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _decode(raw: object) -> tuple[str, int] | None:
