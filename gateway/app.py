@@ -46,6 +46,7 @@ from gateway.relay import ClientGone, ClientWatch, RelayResponse, hold_head
 from gateway.request import parse_guarded
 from gateway.scrape import BackendScraper
 from gateway.upstream import (
+    Backend,
     BackendPool,
     forward_headers,
     map_transport_errors,
@@ -145,6 +146,16 @@ VLLM_ADMIN_PATHS = frozenset(
 #: dispatches on the body to the same code, and the batch route runs it per item.
 #: The guard cannot inspect them, so they are refused unless allowed.
 UNGUARDED_SPELLINGS = frozenset({"/invocations", "/v1/chat/completions/batch"})
+
+
+#: ``/v1/responses/{id}`` and ``/v1/responses/{id}/cancel`` (and ``/input_items``):
+#: a stored answer, which lives on the backend that made it.
+_STORED_RESPONSE = re.compile(r"v1/responses/([^/]+)(?:/[a-z_]+)?")
+
+
+def stored_answer_backend(runtime: Runtime, path: str) -> Backend | None:
+    match = _STORED_RESPONSE.fullmatch(route_path("/" + path).lstrip("/"))
+    return runtime.guard.backend_storing_answer(match[1]) if match else None
 
 
 def set_request_id(response: Response, request_id: str) -> None:
@@ -523,7 +534,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 if request.method not in ("GET", "HEAD")
                 else None
             )
-            backend = runtime.pool.choose_first(0.0, runtime.guard.rng)
+            backend = stored_answer_backend(runtime, path) or runtime.pool.choose_first(
+                0.0, runtime.guard.rng
+            )
             headers = forward_headers(
                 request.headers.raw,
                 request_id=request_id,

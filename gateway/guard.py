@@ -513,7 +513,9 @@ class Guard:
             salt, trace.rung = remembered
             self.metrics.salt_reuse.labels(trace.model, "first").inc()
         affinity = fingerprint if self._route_by_conversation else None
-        backend = self.pool.choose_first(settings.canary_weight, self.rng, affinity=affinity)
+        backend = self._backend_storing(request) or self.pool.choose_first(
+            settings.canary_weight, self.rng, affinity=affinity
+        )
         trace.routed = backend
         backend.in_flight += 1
         while True:
@@ -578,6 +580,19 @@ class Guard:
             backend = self.pool.choose_retry(
                 backend, settings.retry_target, self.rng, failover=False
             )
+
+    def _backend_storing(self, request: GuardedRequest) -> Backend | None:
+        """For a request that continues a stored answer (``previous_response_id``): the
+        backend that made it, which holds the history, while it is healthy."""
+        continued = request.api.continues(request.body)
+        if continued is None:
+            return None
+        return self.pool.healthy_named(self.chains.backend_of(continued))
+
+    def backend_storing_answer(self, answer_id: str) -> Backend | None:
+        """The healthy backend that made the answer ``answer_id`` (Responses' GET and
+        cancel), if this process released it."""
+        return self.pool.healthy_named(self.chains.backend_of(answer_id))
 
     def _fingerprint(self, request: GuardedRequest) -> str | None:
         continued = request.api.continues(request.body)
@@ -835,9 +850,8 @@ class Guard:
         else:
             answer_id = trace.request.api.answer_id(attempt.payload or {})
         if answer_id is not None:
-            self.chains.remember(
-                answer_id, self.conversation(trace) or self._fingerprint(trace.request)
-            )
+            conversation = self.conversation(trace) or self._fingerprint(trace.request)
+            self.chains.remember(answer_id, conversation, attempt.backend.name)
 
     def client_left_before_response(self, request: GuardedRequest) -> None:
         """The client disconnected while the gateway was still working on its answer."""

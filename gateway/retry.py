@@ -106,29 +106,33 @@ class SaltMemory:
 
 
 class AnswerChains:
-    """Bounded LRU: an answer's id -> the conversation fingerprint it belongs to.
+    """Bounded LRU: an answer's id -> the conversation fingerprint it belongs to and
+    the backend that made (and stores) it.
 
     A Responses request with ``previous_response_id`` carries only its new turn; its
-    history lives in vLLM. The guard remembers which conversation each answer it
-    released belongs to, so the next turn is keyed (salt memory, affinity) on the
-    same conversation. Per process, like the salt memory; an id it does not know
-    (another process's, or forgotten) keys the conversation on the id itself."""
+    history lives in the vLLM that stored the previous answer. The guard remembers,
+    for each answer it released, its conversation (so the next turn is keyed on it:
+    salt memory, affinity) and its backend (so the next turn, and ``GET`` or
+    ``cancel`` of the answer, go where it is stored). Per process, like the salt
+    memory; an id it does not know keys the conversation on the id itself."""
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, str] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[str | None, str]] = OrderedDict()
 
     def conversation_of(self, answer_id: str) -> str:
-        key = self._entries.get(answer_id)
-        if key is None:
+        entry = self._entries.get(answer_id)
+        if entry is None or entry[0] is None:
             return hashlib.blake2b(answer_id.encode(), digest_size=16).hexdigest()
         self._entries.move_to_end(answer_id)
-        return key
+        return entry[0]
 
-    def remember(self, answer_id: str | None, conversation: str | None) -> None:
-        if answer_id is None or conversation is None:
-            return
-        self._entries[answer_id] = conversation
+    def backend_of(self, answer_id: str) -> str | None:
+        entry = self._entries.get(answer_id)
+        return entry[1] if entry is not None else None
+
+    def remember(self, answer_id: str, conversation: str | None, backend: str) -> None:
+        self._entries[answer_id] = (conversation, backend)
         self._entries.move_to_end(answer_id)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)

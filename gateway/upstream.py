@@ -217,6 +217,10 @@ class BackendPool:
     def names(self) -> list[str]:
         return [b.name for b in self.backends]
 
+    def healthy_named(self, name: str | None) -> Backend | None:
+        """The backend of that name, if it exists and is healthy."""
+        return next((b for b in self.backends if b.name == name and b.healthy), None)
+
     def any_healthy(self) -> bool:
         return any(b.healthy for b in self.backends)
 

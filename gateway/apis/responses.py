@@ -14,10 +14,12 @@ Stateful parts (README, "Responses and Messages"):
 
 * ``store``: every attempt is stored by vLLM (when its store is on); a discarded
   attempt's id is never given to the client, so nothing refers to it.
-* ``previous_response_id``: the history lives in vLLM, so the request's own
-  ``input`` is only the new turn. The guard keys the conversation on the chain:
-  a response it released remembers the conversation it belongs to
-  (``gateway.retry.AnswerChains``), and a request continuing it inherits it.
+* ``previous_response_id``: the history lives in the vLLM that stored the
+  previous answer, so the request's own ``input`` is only the new turn. A
+  response the guard released remembers its conversation and its backend
+  (``gateway.retry.AnswerChains``): a request continuing it inherits the
+  conversation (salt memory) and goes to that backend, as do ``GET`` and
+  ``cancel`` of the id (``gateway.app``).
 * ``background: true``: vLLM answers "queued" at once and generates later;
   there is no answer to inspect. Passed through unguarded, counted with the
   verdict ``unguarded``.

@@ -666,3 +666,33 @@ def test_a_messages_stream_that_breaks_after_release_ends_with_an_anthropic_erro
         for _ in stream.text_stream:
             pass
     assert caught.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+
+
+def test_a_stored_response_is_continued_and_read_on_the_backend_that_made_it(
+    gateway_for: GatewayFactory,
+) -> None:
+    """vLLM keeps a stored response (and its history) in the memory of the pod that
+    made it: the next turn (previous_response_id), GET and cancel must go there.
+    Eight answers over two backends: without the memory of where each was made,
+    rendezvous and random routing would send each follow-up to the other backend
+    half of the time (all 24 follow-ups right by chance: 1 in 2^16 or less)."""
+    with StubBackend() as one, StubBackend() as two:
+        stubs = {one.port: one, two.port: two}
+        # Affinity off: the answer's backend must be remembered, not re-derived.
+        gateway = gateway_for([one.url, two.url], upstream={"conversation_affinity": False})
+        for i in range(8):
+            made = httpx.post(
+                gateway.url + "/v1/responses", json={"model": "stub", "input": f"task {i}"}
+            ).json()["id"]
+            maker = stubs[int(made.split("_")[1])]
+            before = len(maker.state.requests)
+            follow = httpx.post(
+                gateway.url + "/v1/responses",
+                json={"model": "stub", "input": "next", "previous_response_id": made},
+            )
+            assert follow.status_code == 200
+            assert len(maker.state.requests) == before + 1  # the turn went to its maker
+            for path in (f"/v1/responses/{made}", f"/v1/responses/{made}/cancel"):
+                method = "GET" if path.endswith(made) else "POST"
+                assert httpx.request(method, gateway.url + path).status_code == 200
+                assert maker.state.paths[-1] == path

@@ -179,6 +179,14 @@ def build_app(state: StubState) -> Starlette:
         body = orjson.loads(await request.body())
         state.requests.append(body)
         scenario = request.headers.get("x-stub-scenario", "clean")
+        if not body.get("stream") and request.url.path == "/v1/responses":
+            # A whole answer with an id that names this stub (where it is stored).
+            port = request.url.port
+            answer = {"id": f"resp_{port}_{len(state.requests)}", "object": "response",
+                      "status": "completed", "output": [{"type": "message", "content": [
+                          {"type": "output_text", "text": "".join(CLEAN_WORDS)}]}],
+                      "usage": {"input_tokens": 5, "output_tokens": 10}}  # fmt: skip
+            return JSONResponse(answer)
         return StreamingResponse(
             typed_stream(request.url.path, scenario), media_type="text/event-stream"
         )
