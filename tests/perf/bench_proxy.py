@@ -70,10 +70,12 @@ async def chat(request):
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         paced = b'"user":"paced"' in body
+        # "slow": an agent's long stream (bench_streams), a token every 100 ms.
+        gap = 0.1 if b'"user":"slow"' in body else 0.002
         for i, event in enumerate(EVENTS):
             await response.write(event)
-            if paced and i < len(EVENTS) - 3:  # a token every 2 ms; usage, [DONE], end at once
-                await asyncio.sleep(0.002)
+            if (paced or gap > 0.002) and i < len(EVENTS) - 3:  # usage, [DONE], end at once
+                await asyncio.sleep(gap)
         return response
     return web.Response(body=BODY, content_type="application/json")
 async def health(request):
