@@ -35,6 +35,7 @@ from gateway.errors import (
     Forbidden,
     GatewayError,
     HeadersTooLarge,
+    InternalError,
     PayloadTooLarge,
     Unauthorized,
     error_body,
@@ -310,12 +311,6 @@ def log_unexpected(path: str) -> None:
     message = str(exc)[:200] if exc is not None else ""
     log.error("unexpected error on %s: %s: %s%s", path[:200], type(exc).__name__, message, where)
     log.debug("traceback of the unexpected error", exc_info=True)
-
-
-class InternalError(GatewayError):
-    """A bug in the gateway: answered without its details."""
-
-    code = "internal_error"
 
 
 def internal_error_response(api: ApiAdapter | None = None) -> Response:

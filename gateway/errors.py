@@ -11,11 +11,13 @@
     │   ├── BackendUnreachable     502
     │   └── UpstreamProtocolError  502  (garbage from the backend)
     ├── DegenerateResponse         502  degenerate_response (guard gave up, policy "error")
+    ├── InternalError              500  internal_error (a bug in the gateway, no details)
     ├── NoHealthyBackend           503  service_unavailable
     ├── ShuttingDown               503  (stream cut at the end of the shutdown grace)
     └── UpstreamTimeout            504  timeout
 
-Rendered once, by ``error_body``, as ``{"error": {message, type, param, code}}``.
+Rendered by ``error_body`` as ``{"error": {message, type, param, code}}``; on the
+Anthropic Messages API by its adapter (``gateway.apis.messages``), in Anthropic's shape.
 """
 
 from __future__ import annotations
@@ -89,6 +91,10 @@ class DegenerateResponse(GatewayError):
     status = 502
     type = "degenerate_response"
     code = "degenerate_response"
+
+
+class InternalError(GatewayError):
+    code = "internal_error"
 
 
 class NoHealthyBackend(GatewayError):
