@@ -14,6 +14,16 @@ import re
 
 import orjson
 
+#: Content parts that are media (screenshots, audio, files), in every guarded API's
+#: spelling: chat's ``image_url`` / ``input_audio`` / ``video_url`` / ``file``,
+#: Responses' ``input_image`` / ``input_file``, Anthropic's ``image`` / ``document``.
+#: A conversation's fingerprint leaves them out; everything else (text parts, and
+#: Responses' ``message`` / ``function_call`` items) is part of it.
+MEDIA_PART_TYPES = frozenset(
+    {"image_url", "input_audio", "video_url", "file", "input_image", "input_file",
+     "image", "document", "audio"}
+)  # fmt: skip
+
 _STRUCTURE = re.compile(rb'["{}\[\]]')
 _WHITESPACE = re.compile(rb"[ \t\r\n]*")
 _SCALAR = re.compile(rb"[^,}\]\s]+")
@@ -137,7 +147,7 @@ def leading_elements(raw: bytes, span: tuple[int, int], limit: int) -> list[obje
 
 
 def leading_messages(raw: bytes, span: tuple[int, int], limit: int) -> list[object] | None:
-    """The first ``limit`` chat messages, with every content part that is not text
+    """The first ``limit`` chat messages, with every media content part
     (screenshots) reduced to its ``type``: what the conversation fingerprint reads,
     without decoding megabytes of base64. None if unsure."""
     try:
@@ -158,6 +168,7 @@ def _message(raw: bytes, start: int, end: int) -> object:
             parts.append(orjson.loads(raw[part_start:part_end]))
             continue
         kind = orjson.loads(raw[slice(*part_spans["type"])])
-        parts.append(orjson.loads(raw[part_start:part_end]) if kind == "text" else {"type": kind})
+        media = kind in MEDIA_PART_TYPES
+        parts.append({"type": kind} if media else orjson.loads(raw[part_start:part_end]))
     message["content"] = parts
     return message

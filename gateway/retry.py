@@ -15,6 +15,7 @@ import orjson
 
 from gateway.apis import BY_NAME
 from gateway.config import SaltReuseSettings
+from gateway.jsonscan import MEDIA_PART_TYPES
 
 
 def conversation_key(
@@ -41,7 +42,7 @@ _MAX_DEPTH = 32
 def _bounded(value: object, depth: int = 0) -> object:
     """A small stand-in for the leading messages: their text only.
 
-    Content parts that are not text (screenshots, audio) are left out: agents
+    Media parts (``jsonscan.MEDIA_PART_TYPES``: screenshots, audio) are left out: agents
     keep a sliding window of images, so the first messages lose theirs as the
     conversation goes on, and a fingerprint that included them would change every
     turn. Long strings become their length, head and tail, so fingerprinting a
@@ -61,7 +62,7 @@ def _bounded(value: object, depth: int = 0) -> object:
 
 
 def _is_media_part(item: object) -> bool:
-    return isinstance(item, dict) and item.get("type", "text") != "text"
+    return isinstance(item, dict) and item.get("type") in MEDIA_PART_TYPES
 
 
 class SaltMemory:

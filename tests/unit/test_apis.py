@@ -303,3 +303,30 @@ def test_background_responses_are_marked_unguardable() -> None:
     # Only chat and completions are asked to add the usage chunk to a stream.
     for name, api in BY_NAME.items():
         assert api.openai_chunks == (name in ("chat", "completions"))
+
+
+def test_responses_conversations_are_told_apart_by_their_text_not_their_screenshots() -> None:
+    """Responses input items (``message`` items with ``input_text`` / ``input_image``
+    parts) are fingerprinted on their text; a sliding screenshot does not change the
+    key, whether the body is small or large enough to be scanned instead of decoded."""
+    settings = SaltReuseSettings()
+
+    def turn(text: str, shots: int) -> dict[str, Any]:
+        parts: list[dict[str, Any]] = [{"type": "input_text", "text": text}]
+        parts += [{"type": "input_image", "image_url": "data:image/png;base64," + "A" * 300_000}
+                  for _ in range(shots)]  # fmt: skip
+        items = [{"type": "message", "role": "system", "content": "You operate a browser."},
+                 {"type": "message", "role": "user", "content": parts}]  # fmt: skip
+        return {"model": "m", "input": items}
+
+    keys = {
+        (text, shots): conversation_key(
+            "responses", parse_guarded("responses", orjson.dumps(turn(text, shots))).body,
+            None, settings,
+        )
+        for text in ("open the settings", "close the window")
+        for shots in (0, 2)  # 2 screenshots: over 512 KiB, scanned, not decoded
+    }  # fmt: skip
+    assert keys["open the settings", 0] == keys["open the settings", 2]
+    assert keys["close the window", 0] == keys["close the window", 2]
+    assert keys["open the settings", 0] != keys["close the window", 0]
