@@ -234,21 +234,26 @@ class Detector:
 
     def inspect_body(self, body: Mapping[str, Any]) -> Verdict:
         """Inspect a chat.completion or text_completion body."""
-        choices = body.get("choices")
-        if not isinstance(choices, list):
-            return CLEAN
-        usage = body.get("usage")
-        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        # Usage counts every choice's tokens: it is one choice's only when there is one.
-        known = tokens if isinstance(tokens, int) and len(choices) == 1 else None
-        return self.inspect_choices(
-            (choice_index(c, i), choice_output(c, tokens=known))
-            for i, c in enumerate(choices)
-            if isinstance(c, dict)
-        )
+        return self.inspect_choices(body_choices(body))
 
     def stream_inspector(self) -> StreamInspector:
         return StreamInspector(self)
+
+
+def body_choices(body: Mapping[str, Any]) -> list[tuple[int, ChoiceOutput]]:
+    """Each choice of a chat.completion or text_completion body, with its index."""
+    choices = body.get("choices")
+    if not isinstance(choices, list):
+        return []
+    usage = body.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    # Usage counts every choice's tokens: it is one choice's only when there is one.
+    known = tokens if isinstance(tokens, int) and len(choices) == 1 else None
+    return [
+        (choice_index(c, i), choice_output(c, tokens=known))
+        for i, c in enumerate(choices)
+        if isinstance(c, dict)
+    ]
 
 
 def choice_output(choice: Mapping[str, Any], tokens: int | None = None) -> ChoiceOutput:
@@ -258,14 +263,15 @@ def choice_output(choice: Mapping[str, Any], tokens: int | None = None) -> Choic
     finish_reason = finish if isinstance(finish, str) else None
     if isinstance(message, dict):
         return ChoiceOutput(
-            content=_text(message.get("content")),
-            reasoning=_text(message.get("reasoning_content")) or _text(message.get("reasoning")),
+            content=as_text(message.get("content")),
+            reasoning=as_text(message.get("reasoning_content"))
+            or as_text(message.get("reasoning")),
             tool_arguments=_tool_arguments(message.get("tool_calls")),
             finish_reason=finish_reason,
             tokens=tokens,
         )
     return ChoiceOutput(
-        content=_text(choice.get("text")), finish_reason=finish_reason, tokens=tokens
+        content=as_text(choice.get("text")), finish_reason=finish_reason, tokens=tokens
     )
 
 
@@ -377,7 +383,8 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def _text(value: object) -> str:
+def as_text(value: object) -> str:
+    """A JSON value that should be a string: itself, or "" when it is not one."""
     return value if isinstance(value, str) else ""
 
 
@@ -393,7 +400,7 @@ def _tool_arguments(tool_calls: object) -> tuple[str, ...]:
     for call in tool_calls:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict):
-            out.append(_text(function.get("arguments")))
+            out.append(as_text(function.get("arguments")))
     return tuple(out)
 
 
@@ -546,7 +553,7 @@ class StreamInspector:
             if isinstance(delta, dict):
                 self._feed_delta(state, delta)
             else:
-                self._feed_text(state.content, state.content_parts, _text(raw.get("text")))
+                self._feed_text(state.content, state.content_parts, as_text(raw.get("text")))
             finish = raw.get("finish_reason")
             if isinstance(finish, str):
                 state.finish_reason = finish
@@ -582,8 +589,8 @@ class StreamInspector:
         return True
 
     def _feed_delta(self, state: _StreamChoice, delta: Mapping[str, Any]) -> None:
-        self._feed_text(state.content, state.content_parts, _text(delta.get("content")))
-        reasoning = _text(delta.get("reasoning_content")) or _text(delta.get("reasoning"))
+        self._feed_text(state.content, state.content_parts, as_text(delta.get("content")))
+        reasoning = as_text(delta.get("reasoning_content")) or as_text(delta.get("reasoning"))
         self._feed_text(state.reasoning, state.reasoning_parts, reasoning)
         tool_calls = delta.get("tool_calls")
         if isinstance(tool_calls, list):
@@ -594,7 +601,7 @@ class StreamInspector:
                 parts = state.tool_arguments.setdefault(index, [])
                 function = call.get("function")
                 if isinstance(function, dict):
-                    args = _text(function.get("arguments"))
+                    args = as_text(function.get("arguments"))
                     if args:
                         parts.append(args)
                         state.tool_visible += len(args)

@@ -585,9 +585,7 @@ class Guard:
         """For a request that continues a stored answer (``previous_response_id``): the
         backend that made it, which holds the history, while it is healthy."""
         continued = request.api.continues(request.body)
-        if continued is None:
-            return None
-        return self.pool.healthy_named(self.chains.backend_of(continued))
+        return self.backend_storing_answer(continued) if continued is not None else None
 
     def backend_storing_answer(self, answer_id: str) -> Backend | None:
         """The healthy backend that made the answer ``answer_id`` (Responses' GET and

@@ -91,10 +91,7 @@ class SharedSaltMemory:
     async def connect(self) -> None:
         """Open the first connection at start (a lookup's few milliseconds are too short
         to connect in); a Redis that does not answer starts the fallback at once."""
-        try:
-            async with asyncio.timeout(_BACKGROUND_TIMEOUT_S):
-                await self.client.ping()
-        except (TimeoutError, RedisError, OSError) as exc:
+        if (exc := await _bounded(self.client.ping())) is not None:
             self._failed("ping", exc)
 
     def __len__(self) -> int:
@@ -151,10 +148,7 @@ class SharedSaltMemory:
 
     def _background(self, op: str, command: Awaitable[Any]) -> None:
         async def run() -> None:
-            try:
-                async with asyncio.timeout(_BACKGROUND_TIMEOUT_S):
-                    await command
-            except (TimeoutError, RedisError, OSError) as exc:
+            if (exc := await _bounded(command)) is not None:
                 self._failed(op, exc)
 
         task = asyncio.get_running_loop().create_task(run())
@@ -181,10 +175,7 @@ class SharedSaltMemory:
     async def _reconnect(self) -> None:
         while True:
             await asyncio.sleep(self.reconnect_s)
-            try:
-                async with asyncio.timeout(_BACKGROUND_TIMEOUT_S):
-                    await self.client.ping()
-            except (TimeoutError, RedisError, OSError):
+            if await _bounded(self.client.ping()) is not None:
                 self.metrics.state_errors.labels("ping").inc()
                 continue
             self.healthy = True
@@ -193,6 +184,16 @@ class SharedSaltMemory:
             log.warning("shared state (Redis) answers again; conversation memory is shared")
             self._reconnecting = None
             return
+
+
+async def _bounded(command: Awaitable[Any]) -> BaseException | None:
+    """Await a command within _BACKGROUND_TIMEOUT_S; its failure, or None."""
+    try:
+        async with asyncio.timeout(_BACKGROUND_TIMEOUT_S):
+            await command
+    except (TimeoutError, RedisError, OSError) as exc:
+        return exc
+    return None
 
 
 def _consume(task: asyncio.Future[Any]) -> None:

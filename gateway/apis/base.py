@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Protocol
 import orjson
 
 from gateway.config import SaltReuseSettings
-from gateway.detect import ChoiceOutput, Detector, StreamInspector, Verdict
+from gateway.detect import ChoiceOutput, Detector, StreamInspector, Verdict, as_text
 from gateway.errors import GatewayError
 
 #: Request fields every API routes on (parsed by ``gateway.request``).
@@ -129,8 +129,8 @@ class ApiAdapter(ABC):
         return error.body()
 
 
-def text(value: object) -> str:
-    return value if isinstance(value, str) else ""
+#: A JSON value that should be a string, or "" (the detectors' own reading).
+text = as_text
 
 
 def integer(value: object) -> int | None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
-from gateway.apis.base import ApiAdapter, Usage, integer
+from gateway.apis.base import ApiAdapter, Usage
 from gateway.config import SaltReuseSettings
-from gateway.detect import ChoiceOutput, Detector, Verdict, choice_index, choice_output
+from gateway.detect import ChoiceOutput, Detector, Verdict, body_choices
 
 
 def read_openai_usage(payload: Mapping[str, Any]) -> Usage | None:
@@ -33,18 +33,7 @@ class _OpenAIChoices(ApiAdapter):
     openai_chunks: ClassVar[bool] = True
 
     def outputs(self, payload: Mapping[str, Any]) -> Iterable[tuple[int, ChoiceOutput]]:
-        choices = payload.get("choices")
-        if not isinstance(choices, list):
-            return ()
-        usage = payload.get("usage")
-        tokens = integer(usage.get("completion_tokens")) if isinstance(usage, dict) else None
-        # Usage counts every choice's tokens: it is one choice's only when there is one.
-        known = tokens if len(choices) == 1 else None
-        return [
-            (choice_index(c, i), choice_output(c, tokens=known))
-            for i, c in enumerate(choices)
-            if isinstance(c, dict)
-        ]
+        return body_choices(payload)
 
     def inspect_body(self, detector: Detector, payload: Mapping[str, Any]) -> Verdict:
         return detector.inspect_body(payload)
