@@ -92,13 +92,19 @@ class SaltMemory:
         self._entries.move_to_end(key)
         return salt, rung
 
-    def remember(self, key: str | None, salt: str, rung: int = 0) -> None:
+    def remember(self, key: str | None, salt: str, rung: int = 0) -> bool:
+        """Remember the clean rung; whether it is news: a new or changed entry, or one
+        past half its time to live (what a shared copy must be told)."""
         if key is None:
-            return
-        self._entries[key] = (salt, rung, self.clock() + self.settings.ttl_s)
+            return False
+        now, ttl = self.clock(), self.settings.ttl_s
+        previous = self._entries.get(key)
+        news = previous is None or previous[:2] != (salt, rung) or previous[2] - now < ttl / 2
+        self._entries[key] = (salt, rung, now + ttl)
         self._entries.move_to_end(key)
         while len(self._entries) > self.settings.max_entries:
             self._entries.popitem(last=False)
+        return news
 
     def forget(self, key: str | None, salt: str) -> None:
         """Corruption recurred under this salt: rotate it out."""

@@ -8,8 +8,10 @@ memory is also kept in Redis, the engine operators already run for cross-replica
 state:
 
 * one read per guarded request that has a conversation key (``GET``, within
-  ``state.lookup_timeout_ms``), which also refreshes the local memory;
-* one write when a conversation changes rung (``SET`` with the salt memory's TTL),
+  ``state.lookup_timeout_ms``, on a pipelined connection of its own:
+  ``gateway.redis_get``), which also refreshes the local memory;
+* one write when a conversation changes rung (``SET`` with the salt memory's TTL;
+  again when a process's own entry is past half its TTL),
   and a compare-and-delete when corruption recurs under a salt; both leave the
   request's path at once (background tasks);
 * keys ``<key_prefix>salt:<fingerprint>`` (a fingerprint is a 128-bit hash), values
@@ -36,6 +38,7 @@ from redis.exceptions import RedisError
 
 from gateway.config import SaltReuseSettings, StateSettings
 from gateway.metrics import Metrics
+from gateway.redis_get import TOO_LATE, PipelinedGet, RedisReplyError
 from gateway.retry import SaltMemory
 
 log = logging.getLogger(__name__)
@@ -74,8 +77,12 @@ class SharedSaltMemory:
         self.timeout_s = settings.lookup_timeout_ms / 1000
         self.ttl_s = max(1, round(salt_reuse.ttl_s))
         self.reconnect_s = settings.reconnect_s
+        self.url = settings.redis_url.get_secret_value()
+        #: Writes, scripts and pings: redis-py. The lookups: one pipelined connection
+        #: of their own, opened with the client's first ping (gateway.redis_get).
+        self.reads: PipelinedGet | None = None
         self.client = redis.asyncio.Redis.from_url(
-            settings.redis_url.get_secret_value(),
+            self.url,
             socket_connect_timeout=_BACKGROUND_TIMEOUT_S,
             socket_timeout=_BACKGROUND_TIMEOUT_S,
         )
@@ -91,8 +98,22 @@ class SharedSaltMemory:
     async def connect(self) -> None:
         """Open the first connection at start (a lookup's few milliseconds are too short
         to connect in); a Redis that does not answer starts the fallback at once."""
-        if (exc := await _bounded(self.client.ping())) is not None:
+        if (exc := await self._open()) is not None:
             self._failed("ping", exc)
+
+    async def _open(self) -> BaseException | None:
+        """Ping through the client, then (re)open the lookups' connection; the
+        failure, or None."""
+        if (exc := await _bounded(self.client.ping())) is not None:
+            return exc
+        try:
+            reads = await PipelinedGet.open(self.url, _BACKGROUND_TIMEOUT_S)
+        except (TimeoutError, OSError, RedisReplyError) as exc:
+            return exc
+        if self.reads is not None:
+            self.reads.close()
+        self.reads = reads
+        return None
 
     def __len__(self) -> int:
         """Entries this process can see: while Redis is in use, any conversation may
@@ -104,34 +125,40 @@ class SharedSaltMemory:
         time, else this process's own."""
         if key is None:
             return None
-        if self.healthy:
-            # asyncio.wait rather than asyncio.timeout: after the event loop stalls (a
-            # busy host), an answer that arrived in time is taken, not cancelled by a
-            # deadline timer that happens to run first. A late GET finishes on its own.
-            get = asyncio.ensure_future(self.client.get(self.prefix + key))
-            await asyncio.wait((get,), timeout=self.timeout_s)
-            if not get.done():
-                get.add_done_callback(_consume)
-                self._failed("get", TimeoutError())
-            elif (exc := get.exception()) is not None:
+        if self.healthy and self.reads is not None:
+            reply = self.reads.get(self.prefix + key)
+            loop = asyncio.get_running_loop()
+            deadline = loop.call_later(self.timeout_s, _expire_after_pending_io, reply, 2)
+            try:
+                raw = await reply
+            except (OSError, RedisReplyError) as exc:
                 self._failed("get", exc)
             else:
-                self._failures_in_a_row = 0
-                entry = _decode(get.result())
-                if entry is not None:
-                    self.local.remember(key, *entry)
-                    return entry
+                if raw is TOO_LATE:
+                    self._failed("get", TimeoutError())
+                else:
+                    self._failures_in_a_row = 0
+                    entry = _decode(raw)
+                    if entry is not None:
+                        self.local.remember(key, *entry)
+                        return entry
+            finally:
+                deadline.cancel()
         return self.local.get(key)
 
     def get(self, key: str | None) -> tuple[str, int] | None:
         """This process's memory only (refreshed by ``lookup`` at the request's start)."""
         return self.local.get(key)
 
-    def remember(self, key: str | None, salt: str, rung: int = 0) -> None:
-        self.local.remember(key, salt, rung)
-        if key is not None and self.healthy:
+    def remember(self, key: str | None, salt: str, rung: int = 0) -> bool:
+        """Remember locally; tell Redis only news (a changed rung, or a refresh of the
+        entry's time to live): a conversation that stays on its rung is not a write
+        per turn."""
+        news = self.local.remember(key, salt, rung)
+        if key is not None and self.healthy and news:
             value = f"{rung}:{salt}"
             self._background("set", self.client.set(self.prefix + key, value, ex=self.ttl_s))
+        return news
 
     def forget(self, key: str | None, salt: str) -> None:
         self.local.forget(key, salt)
@@ -142,6 +169,8 @@ class SharedSaltMemory:
     async def close(self) -> None:
         for task in [*self._tasks, *([self._reconnecting] if self._reconnecting else [])]:
             task.cancel()
+        if self.reads is not None:
+            self.reads.close()
         await self.client.aclose()
 
     # -- failures -----------------------------------------------------------------------
@@ -175,7 +204,7 @@ class SharedSaltMemory:
     async def _reconnect(self) -> None:
         while True:
             await asyncio.sleep(self.reconnect_s)
-            if await _bounded(self.client.ping()) is not None:
+            if await self._open() is not None:
                 self.metrics.state_errors.labels("ping").inc()
                 continue
             self.healthy = True
@@ -196,10 +225,17 @@ async def _bounded(command: Awaitable[Any]) -> BaseException | None:
     return None
 
 
-def _consume(task: asyncio.Future[Any]) -> None:
-    """Retrieve a late lookup's outcome, so that asyncio does not log it as lost."""
-    if not task.cancelled():
-        task.exception()
+def _expire_after_pending_io(reply: asyncio.Future[object], passes: int) -> None:
+    """The lookup's deadline: give up on its reply, but only after the event loop has
+    read its sockets once more. After a stall (a busy host) a reply that arrived in time
+    is taken, not dropped because a timer ran first: libuv (uvloop) runs due timers
+    before it polls, and a callback queued from a callback runs in the next pass."""
+    if reply.done():
+        return
+    if passes:
+        asyncio.get_running_loop().call_soon(_expire_after_pending_io, reply, passes - 1)
+    else:
+        reply.set_result(TOO_LATE)
 
 
 def _decode(raw: object) -> tuple[str, int] | None:

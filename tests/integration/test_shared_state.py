@@ -11,11 +11,17 @@ known-clean salt does not.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import (
+    ARTIFACTS,
     GatewayFactory,
     RunningRedis,
     RunningVLLM,
@@ -23,6 +29,7 @@ from conftest import (
     scraped_metric,
     wait_for,
 )
+from support.servers import free_port, wait_http
 from support.workload import is_corrupt, long_prompt
 
 pytestmark = pytest.mark.vllm
@@ -123,3 +130,62 @@ def test_redis_slow_or_gone_loses_no_request(
     redis_server.start()
     assert wait_for(lambda: scraped_metric(gateway.url, "vllm_guard_state_shared") == 1, 10)
     assert load(12) == [(200, "clean")] * 12
+
+
+def test_workers_share_the_memory_through_redis(
+    vllm: RunningVLLM, redis_server: RunningRedis, tmp_path: Path
+) -> None:
+    """``serve --workers 2`` with Redis: the kernel spreads connections over both
+    workers, so the next turns of conversations recovered by one worker reach the
+    other too. Every next turn starts on its conversation's clean salt: one attempt.
+    With each worker's own memory, a next turn on the worker that did not recover the
+    conversation goes unsalted, is poisoned and retried (seen failing so, with the
+    state section removed: next turns took 2 attempts)."""
+    config = tmp_path / "workers.json"
+    config.write_text(
+        json.dumps({
+            "upstream": {"backends": [{"name": "vllm", "url": vllm.url}]},
+            "guard": GUARD,
+            "state": state(redis_server),
+        })
+    )  # fmt: skip
+    port = free_port()
+    log = (ARTIFACTS / "gateway-workers-redis.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+         "--host", "127.0.0.1", "--port", str(port), "--workers", "2"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    conversations = [
+        [
+            {"role": "system", "content": f"{uuid.uuid4()} You operate a browser."},
+            {"role": "user", "content": long_prompt(seed=10 + i, words=320)},
+        ]
+        for i in range(8)
+    ]
+    try:
+        wait_http(url + "/readyz", 60, process)
+        for messages in conversations:  # warm each conversation's unsalted blocks
+            openai_client(vllm.url).chat.completions.create(
+                model=vllm.model, messages=messages, max_tokens=1
+            )
+        # Each turn is its own client, so its own connection for the kernel to place;
+        # two at a time keep both workers busy.
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = list(pool.map(lambda m: turn(url, vllm.model, m), conversations))
+        assert {(attempts, verdict) for _, attempts, verdict in first} == {("2", "recovered")}
+        # The rung is written after the answer leaves: wait for all eight writes.
+        assert wait_for(lambda: redis_server.command("DBSIZE").strip() == b":8", timeout_s=5)
+        for messages, (answer, _, _) in zip(conversations, first, strict=True):
+            messages += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": "next"},
+            ]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            second = list(pool.map(lambda m: turn(url, vllm.model, m), conversations))
+        assert [(attempts, verdict) for _, attempts, verdict in second] == [("1", "clean")] * 8
+        assert not any(is_corrupt(answer) for answer, _, _ in second)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

@@ -95,18 +95,22 @@ class GatewayServer(ThreadedServer):
 class RunningRedis:
     """A real ``redis-server`` (Debian's package) on a free port, no persistence."""
 
-    def __init__(self, port: int, log_path: Path) -> None:
+    def __init__(self, port: int, log_path: Path, password: str | None = None) -> None:
         self.port = port
         self.log_path = log_path
+        self.password = password
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        credentials = f":{self.password}@" if self.password else ""
+        return f"redis://{credentials}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
                    "--save", "", "--appendonly", "no"]  # fmt: skip
+        if self.password:
+            command += ["--requirepass", self.password]
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 15
@@ -118,6 +122,9 @@ class RunningRedis:
     def answers(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                if self.password:
+                    conn.sendall(f"AUTH {self.password}\r\n".encode())
+                    conn.recv(64)
                 conn.sendall(b"PING\r\n")
                 return conn.recv(16).startswith(b"+PONG")
         except OSError:
@@ -127,6 +134,9 @@ class RunningRedis:
         """One command in RESP, its raw reply (enough for GET, KEYS, DBSIZE)."""
         payload = f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)
         with socket.create_connection(("127.0.0.1", self.port), timeout=5) as conn:
+            if self.password:
+                conn.sendall(f"AUTH {self.password}\r\n".encode())
+                conn.recv(64)
             conn.sendall(payload.encode())
             return conn.recv(65536)
 
@@ -138,6 +148,13 @@ class RunningRedis:
     def resume(self) -> None:
         assert self.process is not None
         self.process.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        """Gone at once, answering nothing still queued (also when paused)."""
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait(timeout=15)
+        self.process = None
 
     def stop(self) -> None:
         if self.process is not None:

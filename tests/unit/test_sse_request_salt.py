@@ -203,6 +203,21 @@ def test_salt_memory_lru_ttl_and_rotation() -> None:
     assert memory.get("c") is None
 
 
+def test_salt_memory_says_what_a_shared_copy_must_be_told() -> None:
+    """``remember`` is news (a Redis write) for a new or changed rung, or an entry
+    past half its TTL; a conversation that stays on its rung is not a write a turn."""
+    clock = Clock()
+    memory = SaltMemory(SaltReuseSettings(ttl_s=60), clock)
+    assert memory.remember("a", "s1", 1) is True
+    clock.now += 10
+    assert memory.remember("a", "s1", 1) is False
+    assert memory.remember("a", "s2", 2) is True
+    clock.now += 31
+    assert memory.remember("a", "s2", 2) is True  # 31 s of its 60: refresh the copy
+    assert memory.remember("a", "s2", 2) is False
+    assert memory.remember(None, "s2", 2) is False
+
+
 def test_conversation_key_uses_leading_messages_and_client_salt() -> None:
     cfg = SaltReuseSettings(fingerprint_messages=2)
     base = {
