@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import logging
+import logging.config
 import os
 import shutil
 import sys
@@ -99,8 +100,12 @@ def serve(args: argparse.Namespace) -> int:
     os.environ[RESOLVED_SETTINGS_ENV] = resolved_settings_json(settings)
     server = settings.server
     from gateway.logs import log_config
-    from gateway.protocol import EdgeHttpToolsProtocol, connection_limit
+    from gateway.protocol import connection_limit, edge_protocol
 
+    # Logging as the server will have it, before the protocol is chosen: a closed
+    # version gate's WARNING must reach the log in its format.
+    logging.config.dictConfig(log_config(server.log_level, server.log_format))
+    http_protocol = edge_protocol()
     uvicorn.run(
         "gateway.app:create_app",
         factory=True,
@@ -110,7 +115,7 @@ def serve(args: argparse.Namespace) -> int:
         log_level=server.log_level,
         log_config=log_config(server.log_level, server.log_format),
         loop="uvloop",
-        http=EdgeHttpToolsProtocol,
+        http=http_protocol,
         limit_concurrency=connection_limit(server.max_connections),
         access_log=False,
         timeout_graceful_shutdown=int(server.shutdown_grace_s) or None,

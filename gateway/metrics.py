@@ -64,13 +64,26 @@ class Counter(RemembersChildren, prometheus_client.Counter):
     pass
 
 
+def _bisection_possible() -> bool:
+    """``Histogram.observe`` below reads prometheus_client's private ``_sum``,
+    ``_buckets``, ``_upper_bounds`` and ``_raise_if_not_observable`` (0.20-0.26
+    have them). Checked once, on a histogram no registry sees; without them the
+    library's own ``observe`` runs."""
+    probe = prometheus_client.Histogram("vllm_guard_probe", "probe", registry=None)
+    names = ("_sum", "_buckets", "_upper_bounds", "_raise_if_not_observable")
+    return all(hasattr(probe, name) for name in names)
+
+
+BISECTION = _bisection_possible()
+
+
 class Histogram(RemembersChildren, prometheus_client.Histogram):
     """A Histogram whose ``observe`` finds the bucket by bisection: prometheus_client
-    walks the bounds one by one (22 here), about 1.5 µs per observation, five per
-    request."""
+    walks the bounds one by one (22 here), five observations per request
+    (BENCHMARKS.md)."""
 
     def observe(self, amount: float, exemplar: dict[str, str] | None = None) -> None:
-        if exemplar or amount != amount:  # exemplars, NaN: prometheus_client's own way
+        if not BISECTION or exemplar or amount != amount:  # prometheus_client's own way
             super().observe(amount, exemplar)
             return
         self._raise_if_not_observable()  # type: ignore[no-untyped-call]

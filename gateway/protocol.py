@@ -22,23 +22,31 @@ half-sent connections stayed open indefinitely. ``EdgeHttpToolsProtocol``:
   stream's chunks straight to the transport while uvicorn's ``send()`` would write
   them at once anyway (no ASGI message and await per streamed event).
 
-``vllm-guard serve`` selects it (``http=EdgeHttpToolsProtocol``); each worker
-reads the limits from the settings the CLI resolved into its environment.
+``vllm-guard serve`` selects it through ``edge_protocol()``, the one gate in front of
+uvicorn's internals: on a uvicorn release outside ``TESTED_UVICORN``, or one missing
+a name this module overrides or reads, it logs one WARNING and serves with
+uvicorn's stock httptools protocol instead. Each worker reads the limits from the
+settings the CLI resolved into its environment.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from uvicorn.protocols.http import httptools_impl
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.errors import error_body
 from gateway.relay import SERVER_HOOKS, ServerHooks, server_hooks
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +107,71 @@ async def service_unavailable(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-# uvicorn looks this up in its module on every over-limit request.
-httptools_impl.service_unavailable = service_unavailable  # type: ignore[attr-defined]
+#: The uvicorn releases this module was tested on (pyproject.toml pins the same).
+TESTED_UVICORN = ((0, 55), (0, 56))
+
+#: What the edge reads or overrides inside uvicorn: the protocol's methods, the
+#: attributes a request-response cycle sets in its ``__init__``, flow control's
+#: ``write_paused``, and the module-level ``service_unavailable`` it calls.
+_OVERRIDDEN_METHODS = (
+    "connection_made", "connection_lost", "data_received", "on_message_begin",
+    "on_headers_complete", "on_message_complete", "on_response_complete",
+)  # fmt: skip
+_CYCLE_ATTRIBUTES = (
+    "chunked_encoding", "flow", "disconnected", "response_complete", "response_started",
+    "transport", "scope",
+)  # fmt: skip
+
+
+def uvicorn_incompatibility() -> str | None:
+    """Why the installed uvicorn cannot carry the edge protocol, or None if it can: a
+    release outside the tested range, or a name the edge relies on that is gone."""
+    version = _release(uvicorn.__version__)
+    low, high = TESTED_UVICORN
+    if not low <= version < high:
+        return f"uvicorn {uvicorn.__version__} is outside the tested range {_span(low, high)}"
+    missing = [
+        *(f"HttpToolsProtocol.{name}" for name in _OVERRIDDEN_METHODS
+          if not callable(getattr(HttpToolsProtocol, name, None))),
+        *(f"RequestResponseCycle.{name}" for name in _CYCLE_ATTRIBUTES
+          if name not in RequestResponseCycle.__init__.__code__.co_names),
+        *(["FlowControl.write_paused"]
+          if "write_paused" not in FlowControl.__init__.__code__.co_names
+          else []),
+        *([] if hasattr(httptools_impl, "service_unavailable")
+          else ["httptools_impl.service_unavailable"]),
+    ]  # fmt: skip
+    if missing:
+        return f"uvicorn {uvicorn.__version__} lacks {', '.join(missing)}"
+    return None
+
+
+def edge_protocol() -> type[asyncio.Protocol] | str:
+    """The HTTP protocol ``vllm-guard serve`` gives uvicorn: the edge, or, when the
+    installed uvicorn is not one it was tested on, uvicorn's own httptools protocol
+    (one WARNING; its stock limits apply: ``limit_concurrency``, keep-alive timeout)
+    rather than an AttributeError on every request or a silently changed behaviour."""
+    problem = uvicorn_incompatibility()
+    if problem is not None:
+        log.warning(
+            "%s: serving with uvicorn's stock HTTP protocol, without the edge limits "
+            "(request-head size and timeouts, body timeout, JSON 503 at the connection "
+            "limit) and without the server hooks (a watcher task per request instead)",
+            problem,
+        )
+        return "httptools"
+    # uvicorn looks this up in its module on every over-limit request.
+    httptools_impl.service_unavailable = service_unavailable  # type: ignore[attr-defined]
+    return EdgeHttpToolsProtocol
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor, *_ = [*(int(p) if p.isdigit() else 0 for p in version.split(".")), 0, 0]
+    return major, minor
+
+
+def _span(low: tuple[int, int], high: tuple[int, int]) -> str:
+    return f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
 
 
 class ServerHooksProtocol(HttpToolsProtocol):

@@ -189,9 +189,10 @@ class RelayResponse(Response):
         self.on_client_gone = on_client_gone
         #: The request's ClientWatch, when one was watching already (else our own).
         self.watch: ClientWatch | None = None
-        self.status_code = status_code
-        self.media_type = media_type
-        self.background = None
+        # Starlette's own initialisation (status, media type, background; its headers
+        # are replaced below): a subclass that skipped it would break silently when
+        # a Starlette release adds an attribute there.
+        super().__init__(None, status_code, media_type=media_type)
         # Raw pairs, so repeated headers (Set-Cookie, Vary) survive.
         self.raw_headers = list(raw_headers)
         if media_type is not None and not any(k == b"content-type" for k, _ in raw_headers):

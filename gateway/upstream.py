@@ -36,6 +36,39 @@ from gateway.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
+
+def _read_timer_hook_present() -> bool:
+    """aiohttp's connection protocol keeps a per-read ``sock_read`` timer that it
+    cancels and re-arms on every network read; ``ResponseHandler.read_timeout`` (a
+    settable property) and ``start_timeout`` let a stream drop it. Both are aiohttp
+    internals (3.9-3.14 have them): checked once here, the only place they are used."""
+    try:
+        from aiohttp.client_proto import ResponseHandler
+    except ImportError:
+        return False
+    read_timeout = getattr(ResponseHandler, "read_timeout", None)
+    return (
+        isinstance(read_timeout, property)
+        and read_timeout.fset is not None
+        and callable(getattr(ResponseHandler, "start_timeout", None))
+    )
+
+
+READ_TIMER_HOOK = _read_timer_hook_present()
+
+
+def drop_read_timer(response: aiohttp.ClientResponse) -> bool:
+    """Stop aiohttp's per-read timer on the response's connection (the caller times
+    the stream's silence itself); False, with aiohttp's timer left running (the public
+    ``sock_read`` timeout), where the installed aiohttp has no hook for it."""
+    connection = response.connection
+    if not READ_TIMER_HOOK or connection is None or connection.protocol is None:
+        return False
+    connection.protocol.read_timeout = None
+    connection.protocol.start_timeout()  # re-arms with None: drops the pending one
+    return True
+
+
 #: The paths guarded requests are sent to (a bounded set: their URLs are kept parsed).
 GUARDED_UPSTREAM_PATHS = frozenset(ADAPTERS)
 

@@ -14,6 +14,7 @@ import pytest
 from conftest import GatewayFactory, scraped_metric, wait_for
 from support.stub_backend import StubBackend
 
+from gateway import upstream
 from gateway.protocol import ServerHooksProtocol
 
 BODY = {"model": "stub", "messages": [{"role": "user", "content": "hi"}]}
@@ -93,8 +94,17 @@ def test_a_backend_silent_before_release_is_a_504(
     assert wait_for(lambda: stub.state.open_streams == 0, timeout_s=5)
 
 
+@pytest.fixture(params=["hook", "aiohttp's own timer"])
+def read_timer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways a stream's silence is timed: the StallWatch, where aiohttp's per-read
+    timer can be dropped (``gateway.upstream.READ_TIMER_HOOK``), and aiohttp's own
+    ``sock_read`` timer where the installed aiohttp has no hook for it."""
+    monkeypatch.setattr(upstream, "READ_TIMER_HOOK", request.param == "hook")
+    return str(request.param)
+
+
 def test_a_backend_silent_after_release_ends_the_stream_in_band(
-    stub: StubBackend, gateway_for: GatewayFactory
+    stub: StubBackend, gateway_for: GatewayFactory, read_timer: str
 ) -> None:
     # 1 s: far above the stub's 5 ms between words even on a loaded machine, so the
     # answer is released before the silence.
@@ -112,7 +122,7 @@ def test_a_backend_silent_after_release_ends_the_stream_in_band(
 
 
 def test_read_timeout_is_the_longest_silence_not_the_streams_length(
-    stub: StubBackend, gateway_for: GatewayFactory
+    stub: StubBackend, gateway_for: GatewayFactory, read_timer: str
 ) -> None:
     """40 events 50 ms apart (2.4 s in all) under a 1 s read timeout: the stream is
     whole. The stall timer wakes every 0.25 s while the stream runs and must count
