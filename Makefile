@@ -37,6 +37,7 @@ lint: setup
 	$(BIN)/ruff check gateway tests
 	$(BIN)/ruff format --check gateway tests
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 unit: setup
 	$(BIN)/pytest tests/unit -q

@@ -89,25 +89,25 @@ def serve(args: argparse.Namespace) -> int:
     tune_malloc()
     import uvicorn
 
-    from gateway.app import RESOLVED_SETTINGS_ENV
+    from gateway.server.app import RESOLVED_SETTINGS_ENV
 
     if settings.metrics.enabled and settings.metrics.port is not None:
-        from gateway.metrics import serve_metrics_port
+        from gateway.observe.metrics import serve_metrics_port
 
         serve_metrics_port(
             settings.metrics.host, settings.metrics.port, settings.metrics.api_key_sha256
         )
     os.environ[RESOLVED_SETTINGS_ENV] = resolved_settings_json(settings)
     server = settings.server
-    from gateway.logs import log_config
-    from gateway.protocol import connection_limit, edge_protocol
+    from gateway.observe.logs import log_config
+    from gateway.server.uvicorn_edge import connection_limit, edge_protocol
 
     # Logging as the server will have it, before the protocol is chosen: a closed
     # version gate's WARNING must reach the log in its format.
     logging.config.dictConfig(log_config(server.log_level, server.log_format))
     http_protocol = edge_protocol()
     uvicorn.run(
-        "gateway.app:create_app",
+        "gateway.server.app:create_app",
         factory=True,
         host=server.host,
         port=server.port,
@@ -158,7 +158,7 @@ def resolved_settings_json(settings: Settings) -> str:
 
 
 def hash_key_command(args: argparse.Namespace) -> int:
-    from gateway.app import hash_key
+    from gateway.server.app import hash_key
 
     key = sys.stdin.readline().strip() if args.key is None else args.key
     if not key:
@@ -171,7 +171,7 @@ def hash_key_command(args: argparse.Namespace) -> int:
 def evidence_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from gateway.evidence import evidence_files, read_records, summarise
+    from gateway.observe.evidence import evidence_files, read_records, summarise
 
     files = evidence_files(Path(args.path))
     if not files:
@@ -187,7 +187,7 @@ def probe_command(args: argparse.Namespace) -> int:
 
     import orjson
 
-    from gateway.probe import (
+    from gateway.tools.probe import (
         ProbeConfig,
         format_table,
         plot,
@@ -227,7 +227,7 @@ def probe_command(args: argparse.Namespace) -> int:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    from gateway.demo import demo_json, format_demo, run_demo
+    from gateway.tools.demo import demo_json, format_demo, run_demo
 
     result = run_demo(
         poison_rate=args.poison_rate,

@@ -194,7 +194,7 @@ class AfterRelease(StrEnum):
 
 
 class RetryBudgetSettings(_Strict):
-    """Bounds retries that do not help; never the ones that recover (gateway.budget)."""
+    """Bounds retries that do not help; never the ones that recover (gateway.guard.budget)."""
 
     #: Retries are "recovering" while at least this share of recent retries came back
     #: clean; they then run up to max_attempts, however many arrive at once...
@@ -225,7 +225,7 @@ class SaltReuseSettings(_Strict):
     fingerprint_prompt_chars: Annotated[int, Field(ge=16)] = 2048
     max_entries: Annotated[int, Field(ge=1)] = 100_000
     ttl_s: Annotated[float, Field(gt=0)] = 3600.0
-    #: Secret key of the retry-salt ladder (gateway.salt). Give every worker and
+    #: Secret key of the retry-salt ladder (gateway.guard.salt). Give every worker and
     #: replica the same one (VLLM_GUARD_GUARD__SALT_REUSE__KEY) so they compute the
     #: same salts for a conversation; unset, each process draws its own.
     key: SecretStr | None = None

@@ -1,6 +1,6 @@
 """What differs between the generation APIs the guard serves, behind one interface.
 
-The guard loop (``gateway.guard``) never asks which API it runs: it asks the
+The guard loop (``gateway.guard.loop``) never asks which API it runs: it asks the
 request's ``ApiAdapter`` which fields route and salt the request, how an answer's
 outputs and usage are read, how a stream's events are read and which one ends it,
 and how an error is written in the API's own shape. One adapter per API:
@@ -24,7 +24,7 @@ from gateway.config import SaltReuseSettings
 from gateway.detect import ChoiceOutput, Detector, StreamInspector, Verdict, as_text
 from gateway.errors import GatewayError
 
-#: Request fields every API routes on (parsed by ``gateway.request``).
+#: Request fields every API routes on (parsed by ``gateway.guard.request``).
 COMMON_ROUTING_FIELDS = ("model", "stream", "n", "cache_salt", "stream_options")
 
 

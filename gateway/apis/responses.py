@@ -17,9 +17,9 @@ Stateful parts (README, "Responses and Messages"):
 * ``previous_response_id``: the history lives in the vLLM that stored the
   previous answer, so the request's own ``input`` is only the new turn. A
   response the guard released remembers its conversation and its backend
-  (``gateway.retry.AnswerChains``): a request continuing it inherits the
+  (``gateway.guard.conversations.AnswerChains``): a request continuing it inherits the
   conversation (salt memory) and goes to that backend, as do ``GET`` and
-  ``cancel`` of the id (``gateway.app``).
+  ``cancel`` of the id (``gateway.server.app``).
 * ``background: true``: vLLM answers "queued" at once and generates later;
   there is no answer to inspect. Passed through unguarded, counted with the
   verdict ``unguarded``.

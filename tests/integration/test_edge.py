@@ -13,7 +13,7 @@ import pytest
 from conftest import GatewayFactory
 from support.stub_backend import StubBackend
 
-from gateway.app import UNGUARDED_SPELLINGS, VLLM_ADMIN_PATHS, hash_key
+from gateway.server.app import UNGUARDED_SPELLINGS, VLLM_ADMIN_PATHS, hash_key
 
 
 @pytest.fixture

@@ -170,12 +170,12 @@ def test_retries_go_to_the_fixed_backend(
 def test_a_fixed_role_on_a_stock_vllm_is_called_out(
     vllm: RunningVLLM, gateway_for: GatewayFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level("WARNING", logger="gateway.scrape"):
+    with caplog.at_level("WARNING", logger="gateway.upstream.scrape"):
         gateway = gateway_for([], backends=_two_backends(vllm.url, vllm.url))
     metrics = httpx.get(gateway.url + "/metrics").text
     fix = "vllm_guard_backend_fix_info"
     assert f'{fix}{{backend="fixed",role="fixed",status="disabled"}} 1.0' in metrics
-    warnings = [r.getMessage() for r in caplog.records if r.name == "gateway.scrape"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "gateway.upstream.scrape"]
     assert any(
         "backend fixed has role fixed but its vLLM reports vllm-guard-fix disabled" in w
         for w in warnings

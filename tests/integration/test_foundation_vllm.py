@@ -17,7 +17,7 @@ from conftest import GatewayFactory, RunningVLLM, openai_client, scraped_metric,
 from support.servers import GatewayServer
 from support.workload import long_prompt
 
-from gateway.protocol import ServerHooksProtocol
+from gateway.server.uvicorn_edge import ServerHooksProtocol
 
 pytestmark = pytest.mark.vllm
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from conftest import GatewayFactory, RunningVLLM
 
-from gateway.plot import CORRUPTION_COLOR, HIT_RATE_COLOR
+from gateway.tools.plot import CORRUPTION_COLOR, HIT_RATE_COLOR
 
 pytestmark = pytest.mark.vllm
 

@@ -1,4 +1,4 @@
-"""The lookups' pipelined Redis connection (gateway.redis_get) against a real
+"""The lookups' pipelined Redis connection (gateway.guard.redis_get) against a real
 ``redis-server``: replies matched to their commands in order, a late reply that keeps
 the order without reaching anyone, AUTH and SELECT from the URL, a lost connection."""
 
@@ -13,7 +13,7 @@ import uvloop
 from conftest import ARTIFACTS, RunningRedis
 from support.servers import free_port
 
-from gateway.redis_get import TOO_LATE, PipelinedGet, RedisReplyError
+from gateway.guard.redis_get import TOO_LATE, PipelinedGet, RedisReplyError
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
 

@@ -27,8 +27,8 @@ from support.servers import GatewayServer, free_port, gateway_settings, wait_htt
 from support.stub_backend import StubBackend
 from support.workload import is_corrupt, long_prompt
 
-from gateway.app import hash_key
 from gateway.cli import main as cli_main
+from gateway.server.app import hash_key
 
 SECRET_KEY = "sk-test-very-secret-0001"
 SECRET_TEXT = "PROMPT-MARKER-7f3a9c-do-not-log"
@@ -214,7 +214,7 @@ def test_evidence_capture(
 
 def test_evidence_store_rotates(tmp_path: Path) -> None:
     from gateway.config import EvidenceSettings
-    from gateway.evidence import EvidenceRecord, EvidenceStore, evidence_files
+    from gateway.observe.evidence import EvidenceRecord, EvidenceStore, evidence_files
 
     store = EvidenceStore(
         EvidenceSettings(enabled=True, path=str(tmp_path / "e.jsonl"), max_bytes=4096,

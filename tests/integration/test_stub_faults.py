@@ -14,8 +14,8 @@ import pytest
 from conftest import GatewayFactory, scraped_metric, wait_for
 from support.stub_backend import StubBackend
 
-from gateway import upstream
-from gateway.protocol import ServerHooksProtocol
+from gateway.server.uvicorn_edge import ServerHooksProtocol
+from gateway.upstream import pool
 
 BODY = {"model": "stub", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -97,9 +97,9 @@ def test_a_backend_silent_before_release_is_a_504(
 @pytest.fixture(params=["hook", "aiohttp's own timer"])
 def read_timer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Both ways a stream's silence is timed: the StallWatch, where aiohttp's per-read
-    timer can be dropped (``gateway.upstream.READ_TIMER_HOOK``), and aiohttp's own
+    timer can be dropped (``gateway.upstream.pool.READ_TIMER_HOOK``), and aiohttp's own
     ``sock_read`` timer where the installed aiohttp has no hook for it."""
-    monkeypatch.setattr(upstream, "READ_TIMER_HOOK", request.param == "hook")
+    monkeypatch.setattr(pool, "READ_TIMER_HOOK", request.param == "hook")
     return str(request.param)
 
 
@@ -607,8 +607,8 @@ def test_retries_climb_the_shared_ladder_and_the_last_one_takes_a_fresh_namespac
 
 
 def guard_conversation(guard: object, body: dict[str, object]) -> str | None:
-    from gateway.request import parse_guarded
-    from gateway.retry import conversation_key
+    from gateway.guard.conversations import conversation_key
+    from gateway.guard.request import parse_guarded
 
     request = parse_guarded("chat", orjson.dumps(body))
     settings = guard.settings.guard.salt_reuse  # type: ignore[attr-defined]

@@ -1,7 +1,7 @@
 """The version gates on third-party internals, closed, on the real serving path.
 
 ``vllm-guard serve`` runs its edge protocol only on a uvicorn release it was tested
-on (``gateway.protocol.TESTED_UVICORN``). Here the installed uvicorn claims another
+on (``gateway.server.uvicorn_edge.TESTED_UVICORN``). Here the installed uvicorn claims another
 release: the gateway says so once, in a WARNING, and guards with uvicorn's stock
 protocol, against the real tiny vLLM and the official SDK (seen failing with the
 gate broken, ``edge_protocol`` ignoring the check: no WARNING).

@@ -39,6 +39,7 @@ from gateway.detect import (  # noqa: E402
     Detector,
     StreamInspector,
 )
+from gateway.guard.release import hold_decision  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
 ADAPTIVE_MIN_RELEASE, ADAPTIVE_CEILING = 20, 1024
@@ -77,11 +78,11 @@ def stream_verdict(
     detector: Detector, entry: dict[str, Any], rng: random.Random, adaptive: bool
 ) -> DegenerateKind | None:
     """The verdict the guard has when it releases the stream (or at its end)."""
-    inspector: StreamInspector = detector.stream_inspector()
+    inspector: StreamInspector = StreamInspector(detector)
     for piece in pieces(entry["text"] or "", rng):
         inspector.feed(delta(entry, piece))
         if adaptive:
-            decision = inspector.hold_decision(ADAPTIVE_MIN_RELEASE, 1, ADAPTIVE_CEILING)
+            decision = hold_decision(inspector, ADAPTIVE_MIN_RELEASE, 1, ADAPTIVE_CEILING)
         elif inspector.visible_chars >= FIXED_WINDOW:
             decision = inspector.holdback_verdict()
         else:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench_gateway import ARTIFACTS, GatewayProcess, ServiceProcess, pct  # noqa: E402
 from support.servers import RunningRedis  # noqa: E402
 
-from gateway.localvllm import free_port, wait_http  # noqa: E402
+from gateway.tools.localvllm import free_port, wait_http  # noqa: E402
 
 STUB = r"""
 import asyncio, sys, orjson

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from bench_gateway import GatewayProcess  # noqa: E402
 from bench_proxy import load, small_body  # noqa: E402
 
-from gateway.localvllm import free_port, wait_http  # noqa: E402
+from gateway.tools.localvllm import free_port, wait_http  # noqa: E402
 
 STUB = r"""
 import sys, orjson

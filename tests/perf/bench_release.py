@@ -36,7 +36,8 @@ from support.servers import MODEL_NAME, ensure_model, vllm_python  # noqa: E402
 from support.workload import is_corrupt  # noqa: E402
 
 from gateway.config import DetectorSettings  # noqa: E402
-from gateway.detect import DegenerateKind, Detector  # noqa: E402
+from gateway.detect import DegenerateKind, Detector, StreamInspector  # noqa: E402
+from gateway.guard.release import hold_decision  # noqa: E402
 
 MIN_RELEASE, CEILING = 20, 1024
 POLICIES = ("adaptive", "first_token")
@@ -48,15 +49,15 @@ def released_verdict(
     detector: Detector, entry: dict[str, Any], rng: random.Random, first_token: bool
 ) -> DegenerateKind | None:
     """The verdict the guard has when it releases the stream (or at its end)."""
-    inspector = detector.stream_inspector()
+    inspector = StreamInspector(detector)
     inspector.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
     for piece in pieces(entry["text"] or "", rng):
         inspector.feed(delta(entry, piece))
-        decision = inspector.hold_decision(MIN_RELEASE, 1, CEILING, first_token=first_token)
+        decision = hold_decision(inspector, MIN_RELEASE, 1, CEILING, first_token=first_token)
         if decision is not None:
             return decision.kind
     inspector.feed(delta(entry, "", finish_of(entry)))
-    decision = inspector.hold_decision(MIN_RELEASE, 1, CEILING, first_token=first_token)
+    decision = hold_decision(inspector, MIN_RELEASE, 1, CEILING, first_token=first_token)
     return decision.kind if decision is not None else inspector.final_verdict().kind
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from bench_gateway import GatewayProcess, ServiceProcess  # noqa: E402
 from bench_proxy import STUB, aiohttp_peer  # noqa: E402
 
-from gateway.localvllm import free_port, wait_http  # noqa: E402
+from gateway.tools.localvllm import free_port, wait_http  # noqa: E402
 
 EVENTS_PER_STREAM = 20
 GAP_S = 0.1

@@ -21,9 +21,10 @@ from typing import Any
 
 import uvicorn
 
-from gateway.app import create_app
 from gateway.config import Settings
-from gateway.localvllm import (
+from gateway.server.app import create_app
+from gateway.server.uvicorn_edge import ServerHooksProtocol
+from gateway.tools.localvllm import (
     MODEL_NAME,
     SUPPORT,
     VLLMServer,
@@ -32,7 +33,6 @@ from gateway.localvllm import (
     vllm_python,
     wait_http,
 )
-from gateway.protocol import ServerHooksProtocol
 
 __all__ = [
     "MODEL_NAME", "SUPPORT", "GatewayServer", "RunningRedis", "ThreadedServer", "VLLMServer",

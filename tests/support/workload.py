@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.probe import WORDS  # one vocabulary for the probe and the tests
+from gateway.tools.probe import WORDS  # one vocabulary for the probe and the tests
 
 
 def long_prompt(seed: int, words: int = 300) -> str:

@@ -12,11 +12,11 @@ import pytest
 from gateway.apis import BY_NAME, CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from gateway.apis.base import Usage
 from gateway.config import DetectorSettings, SaltReuseSettings
-from gateway.detect import DegenerateKind, Detector
+from gateway.detect import DegenerateKind, Detector, StreamInspector
 from gateway.errors import DegenerateResponse, NoHealthyBackend, Unauthorized
-from gateway.request import parse_guarded
-from gateway.retry import conversation_key
-from gateway.sse import SSEParser
+from gateway.guard.conversations import conversation_key
+from gateway.guard.request import parse_guarded
+from gateway.wire.sse import SSEParser
 
 DETECTOR = Detector(DetectorSettings())
 
@@ -152,7 +152,7 @@ def sse(*events: tuple[str, dict[str, Any]]) -> bytes:
 
 
 def read_stream(api: Any, raw: bytes) -> tuple[Any, list[Any]]:
-    inspector = DETECTOR.stream_inspector()
+    inspector = StreamInspector(DETECTOR)
     reader = api.event_reader(inspector)
     signals = [reader.read(orjson.loads(e.data)) for e in SSEParser().feed(raw) if e.data]
     return reader, [inspector, signals]
@@ -265,7 +265,7 @@ def test_errors_take_each_apis_shape() -> None:
     assert denied["error"]["type"] == "authentication_error"
     overloaded = orjson.loads(MESSAGES.error_body(NoHealthyBackend("none")))
     assert overloaded["error"]["type"] == "overloaded_error"
-    reader = MESSAGES.event_reader(DETECTOR.stream_inspector())
+    reader = MESSAGES.event_reader(StreamInspector(DETECTOR))
     assert reader is not None
     assert reader.error_event(error) == (
         b"event: error\ndata: " + MESSAGES.error_body(error) + b"\n\n"

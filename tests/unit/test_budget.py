@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.budget import Refusal, RetryBudget, RetryTicket
 from gateway.config import RetryBudgetSettings
+from gateway.guard.budget import Refusal, RetryBudget, RetryTicket
 
 
 class Clock:

@@ -10,8 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.apis import CHAT, COMPLETIONS
 from gateway.config import DetectorSettings
-from gateway.detect import CLEAN, ChoiceOutput, DegenerateKind, Detector, PunctTracker
+from gateway.detect import (
+    CLEAN,
+    ChoiceOutput,
+    DegenerateKind,
+    Detector,
+    PunctTracker,
+    StreamInspector,
+)
+from gateway.guard.release import hold_decision
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 DETECTOR = Detector(DetectorSettings())
@@ -42,7 +51,7 @@ def test_corpus_sizes() -> None:
 def test_legitimate_output_is_never_flagged(entry: dict[str, Any]) -> None:
     assert DETECTOR.choice_kind(as_choice(entry)) is None
     # ...and not when it streams in, one character at a time.
-    inspector = DETECTOR.stream_inspector()
+    inspector = StreamInspector(DETECTOR)
     for char in entry["text"]:
         inspector.feed({"choices": [{"index": 0, "delta": {"content": char}}]})
         assert not inspector.partial_verdict().degenerate
@@ -94,17 +103,17 @@ def test_settings_switch_detectors_off_and_on() -> None:
 
 def test_inspect_body_reads_chat_and_completions() -> None:
     chat = {"choices": [{"index": 0, "message": {"content": "!" * 20}, "finish_reason": "length"}]}
-    assert DETECTOR.inspect_body(chat).kind == DegenerateKind.PUNCT_RUN
+    assert CHAT.inspect_body(DETECTOR, chat).kind == DegenerateKind.PUNCT_RUN
     completion = {
         "choices": [
             {"index": 0, "text": "fine", "finish_reason": "stop"},
             {"index": 1, "text": "", "finish_reason": "stop"},
         ]
     }
-    verdict = DETECTOR.inspect_body(completion)
+    verdict = COMPLETIONS.inspect_body(DETECTOR, completion)
     assert verdict.kind == DegenerateKind.EMPTY
     assert verdict.choice_index == 1
-    assert not DETECTOR.inspect_body({"object": "list"}).degenerate
+    assert not CHAT.inspect_body(DETECTOR, {"object": "list"}).degenerate
 
 
 # -- properties ---------------------------------------------------------------------
@@ -168,16 +177,16 @@ def stream_hold_back(
 ) -> tuple[DegenerateKind | None, int | None]:
     """Feed ``text`` in pieces as the guard does; return (verdict kind, visible characters
     held at release, or None when the stream ended before a decision)."""
-    inspector = DETECTOR.stream_inspector()
+    inspector = StreamInspector(DETECTOR)
     inspector.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
     bounds = sorted({c for c in cuts if 0 < c < len(text)})
     for start, end in zip([0, *bounds], [*bounds, len(text)], strict=True):
         inspector.feed(delta(text[start:end], field=field))
-        decision = inspector.hold_decision(MIN_RELEASE, 1, CEILING, first_token=first_token)
+        decision = hold_decision(inspector, MIN_RELEASE, 1, CEILING, first_token=first_token)
         if decision is not None:
             return decision.kind, inspector.visible_chars
     inspector.feed(delta("", finish))
-    decision = inspector.hold_decision(MIN_RELEASE, 1, CEILING, first_token=first_token)
+    decision = hold_decision(inspector, MIN_RELEASE, 1, CEILING, first_token=first_token)
     if decision is not None:
         return decision.kind, inspector.visible_chars
     return inspector.final_verdict().kind, None
@@ -221,7 +230,7 @@ def test_corruption_after_a_healthy_start_is_seen_after_release(entry: dict[str,
     inspector still flags what follows (counted, or cut with after_release: cut)."""
     text = entry["text"]
     onset = entry["onset"]
-    inspector = DETECTOR.stream_inspector()
+    inspector = StreamInspector(DETECTOR)
     inspector.feed(delta(text[:onset]))
     before = inspector.release_decision(MIN_RELEASE, 1)
     assert before is None or before == CLEAN  # nothing degenerate in the healthy start
@@ -261,7 +270,7 @@ def test_healthy_prose_is_released_after_min_release_chars() -> None:
      "我" * 24, "Answer: click here click here cl"],
 )  # fmt: skip
 def test_text_that_may_still_turn_degenerate_is_held(held: str) -> None:
-    inspector = DETECTOR.stream_inspector()
+    inspector = StreamInspector(DETECTOR)
     inspector.feed(delta(held))
     assert inspector.release_decision(4, 1) is None
 
@@ -272,11 +281,11 @@ def test_one_whitespace_token_at_the_length_limit_is_legitimate_streamed_or_not(
     body = {"choices": [{"index": 0, "finish_reason": "length",
                          "message": {"role": "assistant", "content": " "}}],
             "usage": {"prompt_tokens": 9, "completion_tokens": 1}}  # fmt: skip
-    assert not DETECTOR.inspect_body(body).degenerate
+    assert not CHAT.inspect_body(DETECTOR, body).degenerate
     body["usage"] = {"prompt_tokens": 9, "completion_tokens": 5}
-    assert DETECTOR.inspect_body(body).kind == DegenerateKind.EMPTY
+    assert CHAT.inspect_body(DETECTOR, body).kind == DegenerateKind.EMPTY
     for text, tokens, expected in ((" ", 1, None), ("\n\n\n", 3, DegenerateKind.EMPTY)):
-        inspector = DETECTOR.stream_inspector()
+        inspector = StreamInspector(DETECTOR)
         inspector.feed(delta(""))
         inspector.feed(delta(text, "length"))
         assert inspector.release_decision(MIN_RELEASE, 1) is None  # waits for the usage

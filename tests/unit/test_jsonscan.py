@@ -10,8 +10,8 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.jsonscan import leading_elements, top_level_spans
-from gateway.request import LARGE_BODY, attempt_overrides, body_with, parse_guarded
+from gateway.guard.request import LARGE_BODY, attempt_overrides, body_with, parse_guarded
+from gateway.wire.jsonscan import leading_elements, top_level_spans
 
 scalars = (
     st.none()
@@ -117,7 +117,7 @@ def test_large_body_routes_like_a_small_one() -> None:
     assert lead[1]["content"] == [{"type": "text", "text": "hi"}, {"type": "image_url"}]
     assert large.full_body() == body
     from gateway.config import SaltReuseSettings
-    from gateway.retry import conversation_key
+    from gateway.guard.conversations import conversation_key
 
     later = json.loads(json.dumps(body))  # a later turn: the screenshot has slid out
     later["messages"][1]["content"] = later["messages"][1]["content"][:1]

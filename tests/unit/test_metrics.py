@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.metrics import DURATION_BUCKETS, Counter, Histogram, LiveGauge
+from gateway.observe.metrics import DURATION_BUCKETS, Counter, Histogram, LiveGauge
 
 BOUNDS = [float(b) for b in DURATION_BUCKETS]
 
@@ -36,7 +36,7 @@ def test_remembered_children_are_the_exported_ones() -> None:
 
 
 def test_fix_status_is_read_from_a_backends_metrics() -> None:
-    from gateway.scrape import parse_fix_status
+    from gateway.upstream.scrape import parse_fix_status
 
     line = b'vllm_guard_fix_info{coordinator="0.32",status="active",vllm_version="0.32.0"} 1.0\n'
     assert parse_fix_status(b"# HELP x\nvllm:num_requests_running 0.0\n" + line) == "active"

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from starlette.types import Message, Send
+from starlette.types import Message
 
-from gateway.relay import BodyWriter, RelayResponse, body_frame
+from gateway.guard.answer import ChunkSender
+from gateway.server.relay import BodyWriter, RelayResponse
 
 
 class Connection:
@@ -45,9 +46,9 @@ def relay_of(
 ) -> tuple[RelayResponse, list[str]]:
     events: list[str] = []
 
-    async def pump(send: Send, write_body: BodyWriter) -> bytes:
+    async def pump(send: ChunkSender, write_body: BodyWriter) -> bytes:
         async for chunk in chunks:
-            await send(body_frame(chunk))
+            await send(chunk)
         return b""
 
     relay = RelayResponse(

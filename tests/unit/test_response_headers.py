@@ -7,7 +7,7 @@ from typing import Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.upstream import response_headers
+from gateway.upstream.pool import response_headers
 
 
 def upstream_with(raw: list[tuple[bytes, bytes]]) -> Any:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.config import UpstreamSettings
-from gateway.upstream import BackendPool
+from gateway.upstream.pool import BackendPool
 
 KEYS = [f"conversation-{i}" for i in range(3000)]  # fixed: the tests are deterministic
 

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from gateway.config import SaltReuseSettings
 from gateway.errors import BadRequest, InvalidCacheSalt
-from gateway.request import attempt_overrides, body_with, parse_guarded
-from gateway.retry import SaltMemory, conversation_key
-from gateway.salt import EMPTY_SALT_MESSAGE, INVALID_SALT_MESSAGE, fresh_salt, salt_problem
-from gateway.sse import SSEParser
+from gateway.guard.conversations import SaltMemory, conversation_key
+from gateway.guard.request import attempt_overrides, body_with, parse_guarded
+from gateway.guard.salt import EMPTY_SALT_MESSAGE, INVALID_SALT_MESSAGE, fresh_salt, salt_problem
+from gateway.wire.sse import SSEParser
 
 # -- SSE ------------------------------------------------------------------------------
 
@@ -259,7 +259,7 @@ def test_a_huge_event_is_parsed_in_linear_time_and_bounded() -> None:
     """16 MiB of one event in 64 KiB pieces (10 s of CPU when every piece was appended
     to the buffer and the whole buffer searched again): the pieces are kept as they
     came, each searched once for an event end, and joined once at the end."""
-    from gateway.sse import EventTooLarge
+    from gateway.wire.sse import EventTooLarge
 
     piece = b"x" * 65536
     parser = SSEParser(max_event_bytes=32 * 1024 * 1024)
@@ -301,7 +301,7 @@ def test_replacing_a_field_keeps_every_other_byte_the_client_sent() -> None:
 def test_the_salt_ladder_is_the_same_everywhere_and_keyed() -> None:
     """Every process with the same key computes the same rungs; the client's salt and
     the key change them all; every rung is a salt vLLM accepts."""
-    from gateway.salt import SaltLadder
+    from gateway.guard.salt import SaltLadder
 
     one, two = SaltLadder(b"shared-secret"), SaltLadder(b"shared-secret")
     rungs = [one.rung("conv", None, n) for n in range(1, 6)]

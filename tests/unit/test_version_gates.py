@@ -1,7 +1,7 @@
-"""The gates in front of third-party internals: uvicorn's (``gateway.protocol``: open on
+"""The gates in front of third-party internals: uvicorn's (``gateway.server.uvicorn_edge``: open on
 the tested release, closed with a reason on any other or when a name the edge relies
-on is gone), aiohttp's read timer hook (``gateway.upstream``) and prometheus_client's
-histogram privates (``gateway.metrics``), each with the public path as its fallback."""
+on is gone), aiohttp's read timer hook (``gateway.upstream.pool``) and prometheus_client's
+histogram privates (``gateway.observe.metrics``), each with the public path as its fallback."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ from aiohttp.client_proto import ResponseHandler
 from prometheus_client import CollectorRegistry
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway import metrics, protocol, upstream
+from gateway.observe import metrics
+from gateway.server import uvicorn_edge
+from gateway.upstream import pool
 
 
 def test_the_installed_uvicorn_carries_the_edge() -> None:
-    assert protocol.uvicorn_incompatibility() is None
-    assert protocol.edge_protocol() is protocol.EdgeHttpToolsProtocol
+    assert uvicorn_edge.uvicorn_incompatibility() is None
+    assert uvicorn_edge.edge_protocol() is uvicorn_edge.EdgeHttpToolsProtocol
 
 
 @pytest.mark.parametrize("version", ["0.54.9", "0.56.0", "1.0.0", "0.55"])
@@ -28,19 +30,19 @@ def test_a_release_outside_the_tested_range_closes_the_gate(
 ) -> None:
     monkeypatch.setattr(uvicorn, "__version__", version)
     if version == "0.55":
-        assert protocol.uvicorn_incompatibility() is None
+        assert uvicorn_edge.uvicorn_incompatibility() is None
         return
-    assert protocol.uvicorn_incompatibility() == (
+    assert uvicorn_edge.uvicorn_incompatibility() == (
         f"uvicorn {version} is outside the tested range >=0.55,<0.56"
     )
-    with caplog.at_level(logging.WARNING, logger="gateway.protocol"):
-        assert protocol.edge_protocol() == "httptools"
+    with caplog.at_level(logging.WARNING, logger="gateway.server.uvicorn_edge"):
+        assert uvicorn_edge.edge_protocol() == "httptools"
     assert len(caplog.records) == 1
 
 
 def test_a_renamed_method_closes_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(HttpToolsProtocol, "on_response_complete")
-    assert protocol.uvicorn_incompatibility() == (
+    assert uvicorn_edge.uvicorn_incompatibility() == (
         f"uvicorn {uvicorn.__version__} lacks HttpToolsProtocol.on_response_complete"
     )
 
@@ -48,9 +50,9 @@ def test_a_renamed_method_closes_the_gate(monkeypatch: pytest.MonkeyPatch) -> No
 def test_aiohttp_read_timer_hook_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     """The stall watch drops aiohttp's per-read timer only where aiohttp has the hook;
     the stream tests run both ways (``test_stub_faults``'s ``read_timer``)."""
-    assert upstream._read_timer_hook_present()
+    assert pool._read_timer_hook_present()
     monkeypatch.delattr(ResponseHandler, "read_timeout")
-    assert not upstream._read_timer_hook_present()
+    assert not pool._read_timer_hook_present()
 
 
 def test_histograms_without_prometheus_clients_privates_are_its_own(

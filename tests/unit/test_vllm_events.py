@@ -1,6 +1,6 @@
 """vLLM's text events read without JSON parsing: the same result as the general path.
 
-``StreamState.take`` (the fast path, ``gateway/vllmevents.py``) and
+``StreamState.take`` (the fast path, ``gateway/wire/vllm_events.py``) and
 ``StreamState._take_parsed`` (SSE parser + JSON + ``accept``) are fed the same
 streams cut into the same network chunks; the forwarded bytes and everything the
 inspector learned must be equal. The streams are built the way vLLM 0.32 writes
@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.config import DetectorSettings
-from gateway.detect import Detector
+from gateway.detect import Detector, StreamInspector
 from gateway.errors import UpstreamProtocolError
-from gateway.guard import StreamState
-from gateway.vllmevents import CONTENT_EVENT
+from gateway.guard.stream import StreamState
+from gateway.wire.vllm_events import CONTENT_EVENT
 
 DETECTOR = Detector(DetectorSettings())
 
@@ -63,7 +63,7 @@ DONE = b"data: [DONE]\n\n"
 
 def new_state(strip_usage: bool = True) -> StreamState:
     # The response and backend are only read by the network loop, not by take().
-    return StreamState(None, None, DETECTOR.stream_inspector(), strip_usage)  # type: ignore[arg-type]
+    return StreamState(None, None, StreamInspector(DETECTOR), strip_usage)  # type: ignore[arg-type]
 
 
 def observed(state: StreamState, chunks: list[bytes], *, fast: bool) -> dict[str, Any]:

@@ -5,7 +5,7 @@ added. Fields the gateway adds (a retry salt, ``stream_options.include_usage``)
 are spliced into the original bytes.
 
 Bodies over ``LARGE_BODY`` (agent requests with screenshots) are not decoded
-whole: ``gateway.jsonscan`` finds the top-level fields, and only the routing
+whole: ``gateway.wire.jsonscan`` finds the top-level fields, and only the routing
 fields and the leading messages are decoded. The rest is checked by vLLM, which
 answers malformed JSON with its own 400.
 """
@@ -21,8 +21,8 @@ import orjson
 from gateway.apis import BY_NAME, ApiAdapter
 from gateway.apis.base import COMMON_ROUTING_FIELDS
 from gateway.errors import BadRequest, InvalidCacheSalt
-from gateway.jsonscan import Spans, leading_messages, top_level_spans
-from gateway.salt import salt_problem
+from gateway.guard.salt import salt_problem
+from gateway.wire.jsonscan import Spans, leading_messages, top_level_spans
 
 LARGE_BODY = 512 * 1024
 

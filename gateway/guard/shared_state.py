@@ -1,6 +1,6 @@
 """Conversation memory shared by every worker and replica, in Redis (or Valkey).
 
-``gateway.retry.SaltMemory`` knows, per conversation fingerprint, which rung of the
+``gateway.guard.conversations.SaltMemory`` knows, per conversation fingerprint, which rung of the
 conversation's salt ladder last gave a clean answer. Kept per process, a turn that
 lands on another worker or replica does not know its chain is poisoned: it goes
 unsalted, gets the corrupt answer again and retries. With ``state.redis_url`` the
@@ -9,7 +9,7 @@ state:
 
 * one read per guarded request that has a conversation key (``GET``, within
   ``state.lookup_timeout_ms``, on a pipelined connection of its own:
-  ``gateway.redis_get``), which also refreshes the local memory;
+  ``gateway.guard.redis_get``), which also refreshes the local memory;
 * one write when a conversation changes rung (``SET`` with the salt memory's TTL;
   again when a process's own entry is past half its TTL),
   and a compare-and-delete when corruption recurs under a salt; both leave the
@@ -37,9 +37,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.config import SaltReuseSettings, StateSettings
-from gateway.metrics import Metrics
-from gateway.redis_get import TOO_LATE, PipelinedGet, RedisReplyError
-from gateway.retry import SaltMemory
+from gateway.guard.conversations import SaltMemory
+from gateway.guard.redis_get import TOO_LATE, PipelinedGet, RedisReplyError
+from gateway.observe.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class SharedSaltMemory:
         self.reconnect_s = settings.reconnect_s
         self.url = settings.redis_url.get_secret_value()
         #: Writes, scripts and pings: redis-py. The lookups: one pipelined connection
-        #: of their own, opened with the client's first ping (gateway.redis_get).
+        #: of their own, opened with the client's first ping (gateway.guard.redis_get).
         self.reads: PipelinedGet | None = None
         self.client = redis.asyncio.Redis.from_url(
             self.url,

@@ -1,6 +1,6 @@
 """``create_app(settings)``: routes, limits, and the lifespan that owns the HTTP pool.
 
-Start with ``vllm-guard serve`` or ``uvicorn gateway.app:create_app --factory``.
+Start with ``vllm-guard serve`` or ``uvicorn gateway.server.app:create_app --factory``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from gateway import __version__, logs
+from gateway import __version__
 from gateway.apis import ADAPTERS, ApiAdapter
 from gateway.config import Settings, load_settings
 from gateway.errors import (
@@ -40,19 +40,26 @@ from gateway.errors import (
     Unauthorized,
     error_body,
 )
-from gateway.evidence import EvidenceStore
-from gateway.guard import Guard
-from gateway.metrics import Metrics
-from gateway.relay import ClientGone, ClientWatch, RelayResponse, hold_head
-from gateway.request import parse_guarded
-from gateway.scrape import BackendScraper
-from gateway.upstream import (
+from gateway.guard.loop import Guard
+from gateway.guard.request import parse_guarded
+from gateway.observe import logs
+from gateway.observe.evidence import EvidenceStore
+from gateway.observe.metrics import Metrics
+from gateway.server.relay import (
+    ClientGone,
+    ClientWatch,
+    RelayResponse,
+    answer_response,
+    hold_head,
+)
+from gateway.upstream.pool import (
     Backend,
     BackendPool,
     forward_headers,
     map_transport_errors,
     response_headers,
 )
+from gateway.upstream.scrape import BackendScraper
 
 log = logging.getLogger("vllm_guard")
 
@@ -420,9 +427,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 drop=guarded_drop,
             )
             watch = ClientWatch(scope, receive)
-            response = await watch.guard(
+            answer = await watch.guard(
                 runtime.guard.handle(parsed, headers, started, client_identity(scope))
             )
+            response = answer_response(answer, watch)
         except GatewayError as exc:
             response = error_response(exc, api)
         except ClientGone:

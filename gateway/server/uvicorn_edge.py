@@ -44,7 +44,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gateway.errors import error_body
-from gateway.relay import SERVER_HOOKS, ServerHooks, server_hooks
+from gateway.server.relay import SERVER_HOOKS, ServerHooks, server_hooks
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class EdgeLimits:
 @functools.cache
 def edge_limits() -> EdgeLimits:
     """This process's limits, from the settings ``vllm-guard serve`` resolved."""
-    from gateway.app import settings_from_environment
+    from gateway.server.app import settings_from_environment
 
     server = settings_from_environment().server
     return EdgeLimits(server.max_header_bytes, server.header_timeout_s, server.body_timeout_s)
@@ -175,7 +175,7 @@ def _span(low: tuple[int, int], high: tuple[int, int]) -> str:
 
 
 class ServerHooksProtocol(HttpToolsProtocol):
-    """uvicorn's protocol with ``ServerHooks`` (``gateway.relay``) in each request's
+    """uvicorn's protocol with ``ServerHooks`` (``gateway.server.relay``) in each request's
     scope: the app is told from ``connection_lost`` when its client leaves before the
     response completed, may write a streamed response's chunks straight to the
     transport, and may have a response head wait for the body (``CycleHooks``)."""

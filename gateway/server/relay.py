@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from gateway.guard.answer import Answer, ChunkSender, ChunkWriter, StreamedAnswer, WholeAnswer
+
 
 def body_frame(chunk: bytes) -> Message:
     """An ASGI body frame of a response with more to come."""
@@ -30,12 +32,12 @@ class ClientGone(Exception):
 
 
 #: ASGI scope key of the request's ``ServerHooks``, under the gateway's own server
-#: protocol (``gateway.protocol``). Under any other server ClientWatch watches
+#: protocol (``gateway.server.uvicorn_edge``). Under any other server ClientWatch watches
 #: ``receive()`` with a task and every body frame goes through ``send()``.
 SERVER_HOOKS = "vllm_guard.server_hooks"
 
 #: Writes one chunk of a started streamed response at once; False: use ``send()``.
-BodyWriter = Callable[[bytes], bool]
+BodyWriter = ChunkWriter
 
 
 def never_direct(chunk: bytes) -> bool:
@@ -45,7 +47,7 @@ def never_direct(chunk: bytes) -> bool:
 
 class ServerHooks:
     """What the gateway's server protocol offers a request beyond ASGI, in its scope;
-    this base offers nothing, the protocol's subclass (``gateway.protocol``) does.
+    this base offers nothing, the protocol's subclass (``gateway.server.uvicorn_edge``) does.
 
     ``on_client_gone``: set by the app, called from the protocol's
     ``connection_lost`` while the response is incomplete, so the app learns that its
@@ -133,10 +135,10 @@ class ClientWatch:
         if self._hooks is not None:
             self._hooks.on_client_gone = None
 
-    async def guard(self, work: Awaitable[Response]) -> Response:
+    async def guard(self, work: Awaitable[Answer]) -> Answer:
         """Await ``work``; cancel it (closing its upstream request) if the client
-        leaves, raising ClientGone. A RelayResponse result takes the watch over;
-        for any other the watch ends here."""
+        leaves, raising ClientGone. A streamed answer takes the watch over (its
+        response, ``RelayResponse.for_answer``); for a whole one the watch ends here."""
         try:
             result = await work
         except asyncio.CancelledError:
@@ -152,12 +154,10 @@ class ClientWatch:
         if self.gone:  # the client left just as the work finished
             self.task.uncancel()
             self.close()
-            if isinstance(result, RelayResponse) and result.on_close is not None:
+            if isinstance(result, StreamedAnswer):
                 result.on_close()  # a released stream nobody will read: close its upstream
             raise ClientGone
-        if isinstance(result, RelayResponse):
-            result.watch = self
-        else:
+        if not isinstance(result, StreamedAnswer):
             self.close()
         return result
 
@@ -165,7 +165,7 @@ class ClientWatch:
 class RelayResponse(Response):
     def __init__(
         self,
-        pump: Callable[[Send, BodyWriter], Awaitable[bytes]],
+        pump: Callable[[ChunkSender, BodyWriter], Awaitable[bytes]],
         *,
         body_ready: bool = False,
         status_code: int = 200,
@@ -175,9 +175,10 @@ class RelayResponse(Response):
         on_close: Callable[[], None] | None = None,
         on_client_gone: Callable[[], None] | None = None,
     ) -> None:
-        #: Sends the body frames: each through the BodyWriter, or where it says
-        #: False as a ``body_frame`` through send(). Returns the body's last bytes,
-        #: which go out with its end in one write (``b""``: none kept back).
+        #: Sends the body's chunks: each through the BodyWriter, or where it says
+        #: False through the ChunkSender (a ``body_frame`` through send()). Returns
+        #: the body's last bytes, which go out with its end in one write (``b""``:
+        #: none kept back).
         self.pump = pump
         #: The pump writes its first bytes without waiting: the head goes with them.
         self.body_ready = body_ready
@@ -212,7 +213,11 @@ class RelayResponse(Response):
                     "headers": self.raw_headers,
                 }
             )
-            last = await self.pump(send, never_direct if hooks is None else hooks.write_body)
+
+            async def send_chunk(chunk: bytes) -> None:
+                await send(body_frame(chunk))
+
+            last = await self.pump(send_chunk, never_direct if hooks is None else hooks.write_body)
             if hooks is None:
                 # A pump that found every chunk already buffered never waited, so a
                 # client that left meanwhile (the server drops sends to a closed
@@ -233,3 +238,29 @@ class RelayResponse(Response):
             watch.close()
             if self.on_close is not None:
                 self.on_close()
+
+    @classmethod
+    def for_answer(cls, answer: StreamedAnswer, watch: ClientWatch | None) -> RelayResponse:
+        """The response that relays a guard's streamed answer (``watch``: the request's
+        ClientWatch, which this response takes over)."""
+        response = cls(
+            answer.relay,
+            body_ready=answer.body_ready,
+            status_code=answer.status,
+            raw_headers=answer.headers,
+            media_type=answer.media_type,
+            after_complete=answer.after_complete,
+            on_close=answer.on_close,
+            on_client_gone=answer.on_client_gone,
+        )
+        response.watch = watch
+        return response
+
+
+def answer_response(answer: Answer, watch: ClientWatch | None = None) -> Response:
+    """The ASGI response of a guard's answer."""
+    if isinstance(answer, WholeAnswer):
+        response = Response(answer.body, status_code=answer.status)
+        response.raw_headers.extend(answer.headers)
+        return response
+    return RelayResponse.for_answer(answer, watch)

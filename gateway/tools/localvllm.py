@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 SUPPORT = REPO / "tests" / "support"
 MODEL_NAME = "tiny"

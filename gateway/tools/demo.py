@@ -18,8 +18,8 @@ from typing import Any
 
 import orjson
 
-from gateway.localvllm import REPO, SUPPORT, VLLMServer, ensure_model, free_port, wait_http
-from gateway.probe import ProbeConfig, ProbeReport, run_probe
+from gateway.tools.localvllm import REPO, SUPPORT, VLLMServer, ensure_model, free_port, wait_http
+from gateway.tools.probe import ProbeConfig, ProbeReport, run_probe
 
 CACHE = Path(os.environ.get("VLLM_GUARD_CACHE", Path.home() / ".cache" / "vllm-guard"))
 

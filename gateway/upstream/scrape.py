@@ -21,9 +21,9 @@ import aiohttp
 import orjson
 
 from gateway.config import BackendRole, UpstreamSettings
-from gateway.metrics import Metrics
+from gateway.observe.metrics import Metrics
 from gateway.periodic import Periodic
-from gateway.upstream import Backend, BackendPool
+from gateway.upstream.pool import Backend, BackendPool
 
 log = logging.getLogger(__name__)
 

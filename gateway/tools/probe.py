@@ -29,11 +29,12 @@ from typing import Any
 import aiohttp
 import orjson
 
+from gateway.apis import CHAT
 from gateway.config import DetectorSettings
-from gateway.detect import Detector
-from gateway.plot import CORRUPTION_COLOR, HIT_RATE_COLOR, _png, rate_chart
-from gateway.scrape import parse_prefix_cache
-from gateway.sse import DONE, SSEParser
+from gateway.detect import Detector, StreamInspector
+from gateway.tools.plot import CORRUPTION_COLOR, HIT_RATE_COLOR, _png, rate_chart
+from gateway.upstream.scrape import parse_prefix_cache
+from gateway.wire.sse import DONE, SSEParser
 
 _WORDS_TEXT = (
     "click tap type scroll open close button window menu file edit view help search "
@@ -167,10 +168,10 @@ class Client:
             if r.status != 200 or not stream:
                 payload = orjson.loads(await r.read()) if r.status == 200 else {}
                 usage = payload.get("usage") or {}
-                verdict = self.detector.inspect_body(payload) if r.status == 200 else None
+                verdict = CHAT.inspect_body(self.detector, payload) if r.status == 200 else None
                 text = _first_text(payload)
             else:
-                inspector = self.detector.stream_inspector()
+                inspector = StreamInspector(self.detector)
                 parser, usage = SSEParser(), {}
                 async for chunk in r.content.iter_any():
                     for event in parser.feed(chunk):

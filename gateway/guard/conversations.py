@@ -1,4 +1,4 @@
-"""Retry policy state: the per-conversation salt memory (the budget is gateway.budget).
+"""Retry policy state: the per-conversation salt memory (the budget is gateway.guard.budget).
 
 Per process (per worker, per replica): see README, "State".
 """
@@ -15,7 +15,7 @@ import orjson
 
 from gateway.apis import BY_NAME
 from gateway.config import SaltReuseSettings
-from gateway.jsonscan import MEDIA_PART_TYPES
+from gateway.wire.jsonscan import MEDIA_PART_TYPES
 
 
 def conversation_key(

@@ -37,7 +37,7 @@ class JsonFormatter(logging.Formatter):
 def log_config(level: str, fmt: str) -> dict[str, Any]:
     """A ``logging.config.dictConfig`` for uvicorn's loggers and ours."""
     formatter = (
-        {"()": "gateway.logs.JsonFormatter"}
+        {"()": "gateway.observe.logs.JsonFormatter"}
         if fmt == "json"
         else {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}
     )

@@ -15,19 +15,13 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from multidict import CIMultiDict
-from starlette.responses import Response
-from starlette.types import Send
 
-from gateway.apis import ApiAdapter, EventReader, Usage
-from gateway.apis.base import NO_SIGNAL
-from gateway.apis.openai_chunks import read_openai_usage
-from gateway.budget import Refusal, RetryBudget, RetryTicket
+from gateway.apis import ApiAdapter, Usage
 from gateway.config import (
     AfterRelease,
     ExhaustedPolicy,
@@ -50,26 +44,31 @@ from gateway.errors import (
     ShuttingDown,
     UpstreamProtocolError,
     UpstreamTimeout,
-    sse_error_event,
 )
-from gateway.evidence import EvidenceRecord, EvidenceStore, prompt_fingerprint
-from gateway.metrics import Metrics
-from gateway.relay import BodyWriter, RelayResponse, body_frame
-from gateway.request import GuardedRequest, attempt_overrides, body_with
-from gateway.retry import AnswerChains, SaltMemory, conversation_key
-from gateway.salt import SaltLadder, fresh_salt
-from gateway.shared_state import SharedSaltMemory
-from gateway.sse import DONE, EventTooLarge, SSEEvent, SSEParser, lf_event
-from gateway.upstream import (
+from gateway.guard.answer import (
+    Answer,
+    ChunkSender,
+    ChunkWriter,
+    StreamedAnswer,
+    WholeAnswer,
+)
+from gateway.guard.budget import Refusal, RetryBudget, RetryTicket
+from gateway.guard.conversations import AnswerChains, SaltMemory, conversation_key
+from gateway.guard.release import hold_decision
+from gateway.guard.request import GuardedRequest, attempt_overrides, body_with
+from gateway.guard.salt import SaltLadder, fresh_salt
+from gateway.guard.shared_state import SharedSaltMemory
+from gateway.guard.stream import StallWatch, StreamState
+from gateway.observe.evidence import EvidenceRecord, EvidenceStore, prompt_fingerprint
+from gateway.observe.metrics import Metrics
+from gateway.upstream.pool import (
     Backend,
     BackendPool,
     RawHeaders,
-    drop_read_timer,
     map_transport_errors,
     response_headers,
-    transport_error,
 )
-from gateway.vllmevents import NotText, TextEventReader, string_contents
+from gateway.wire.sse import SSEParser
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +76,8 @@ ATTEMPTS_HEADER = "x-vllm-guard-attempts"
 VERDICT_HEADER = "x-vllm-guard-verdict"
 ATTEMPTS_HEADER_RAW = ATTEMPTS_HEADER.encode()
 VERDICT_HEADER_RAW = VERDICT_HEADER.encode()
-SSE_MEDIA_TYPE = "text/event-stream"
 #: Most bytes of one stream held back before the guard decides on what it has.
 MAX_HELD_BYTES = 1024 * 1024
-#: Longest wait for the end of a backend's body after ``[DONE]`` (StreamState.finish_reading).
-FINISH_READING_S = 1.0
 
 
 @dataclass(slots=True)
@@ -109,265 +105,6 @@ class Trace:
     rung: int = 0
     #: Answers are read and judged (guard not off, and the request not unguardable).
     inspecting: bool = True
-
-
-class StallWatch:
-    """The silence timeout of every stream this process reads, checked by one timer:
-    a stream that has waited ``stall_s`` for the backend's next bytes gets a timeout
-    from its pending read. Only time spent *waiting* on the backend counts: a relay
-    held up by a slow client is not a stalled backend. The timer runs while streams
-    are open, every ``stall_s / 4`` (at most 1 s), so a stall is seen within
-    1.25 x ``stall_s``: one timer per process instead of one per stream or per read."""
-
-    def __init__(self, stall_s: float) -> None:
-        self.stall_s = stall_s
-        self.period = min(stall_s / 4, 1.0)
-        self.streams: set[StreamState] = set()
-        self._timer: asyncio.TimerHandle | None = None
-        #: The event loop's clock (its ``time``), once a stream was added.
-        self.clock: Callable[[], float] = time.monotonic
-
-    def add(self, stream: StreamState) -> None:
-        self.streams.add(stream)
-        if self._timer is None:
-            loop = asyncio.get_running_loop()
-            self.clock = loop.time
-            self._timer = loop.call_later(self.period, self._sweep)
-
-    def discard(self, stream: StreamState) -> None:
-        self.streams.discard(stream)
-
-    def _sweep(self) -> None:
-        loop = asyncio.get_running_loop()
-        now = self.clock()
-        for stream in list(self.streams):
-            since = stream.waiting_since
-            if stream.response.closed:
-                self.streams.discard(stream)  # closed without close(): nothing to time
-            elif since and now - since >= self.stall_s:
-                self.streams.discard(stream)
-                stream.stalled(self.stall_s)
-        self._timer = loop.call_later(self.period, self._sweep) if self.streams else None
-
-
-@dataclass(slots=True, eq=False)
-class StreamState:
-    """An upstream stream being read: what has been held back, and what it said."""
-
-    response: aiohttp.ClientResponse
-    backend: Backend
-    inspector: StreamInspector
-    strip_usage: bool
-    #: The API's reader of typed events (Responses, Messages); None: an OpenAI chunk
-    #: stream, read by this class's own fast path.
-    events: EventReader | None = None
-    parser: SSEParser = field(default_factory=SSEParser)
-    held: list[bytes] = field(default_factory=list)
-    done: bool = False
-    usage: Usage | None = None
-    upstream_error: bool = False
-    _body_ended: bool = False
-    text_events: TextEventReader = field(default_factory=TextEventReader)
-    #: The process's StallWatch, once ``watch_stalls`` was called.
-    stall_watch: StallWatch | None = None
-    #: Loop time at which the reader started waiting for the backend; 0: not waiting.
-    waiting_since: float = 0.0
-
-    def ended(self) -> bool:
-        return self.done or self.upstream_error
-
-    def error_event(self, error: GatewayError) -> bytes:
-        """The gateway's error, in band, in this stream's API's shape: ends the stream."""
-        return self.events.error_event(error) if self.events is not None else sse_error_event(error)
-
-    def watch_stalls(self, watch: StallWatch) -> None:
-        """From here on ``watch`` times out a backend that goes silent mid-stream,
-        instead of aiohttp's ``sock_read`` timer (the response head was read under
-        it), which is cancelled and re-armed on every network read: a timer handle
-        created and freed per streamed token (BENCHMARKS.md). Where aiohttp offers no
-        hook for that, its own timer stays and times the stream instead."""
-        if not drop_read_timer(self.response):
-            return
-        self.stall_watch = watch
-        watch.add(self)
-
-    def stalled(self, silent_s: float) -> None:
-        """The backend said nothing for ``silent_s``: the pending read raises, as with
-        aiohttp's own sock_read timer (``transport_error``: UpstreamTimeout)."""
-        self.response.content.set_exception(
-            aiohttp.ServerTimeoutError(f"no data from the backend for {silent_s:g} s")
-        )
-
-    def close(self) -> None:
-        """Close the upstream response (its connection, unless read to the end)."""
-        if self.stall_watch is not None:
-            self.stall_watch.discard(self)
-        self.response.close()
-
-    async def finish_reading(self) -> None:
-        """After ``[DONE]``, read the backend's body to its end so that its keep-alive
-        connection goes back to the pool.
-
-        vLLM ends the chunked body right after ``[DONE]``, but in a separate write that
-        usually arrives after the guard stopped reading. Closing a response with
-        unread bytes closes its connection: every stream then cost a new TCP
-        connection to vLLM (about a tenth of the gateway's CPU per stream, measured,
-        and a TIME_WAIT socket each). Bounded: a backend that holds the body open
-        after ``[DONE]`` has its connection closed after ``FINISH_READING_S``.
-        """
-        content = self.response.content
-        if not self.done or self.upstream_error or content.is_eof():
-            return
-        try:
-            async with asyncio.timeout(FINISH_READING_S):
-                while await content.readany():
-                    pass  # nothing but the chunked terminator is expected
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            pass  # the connection is closed instead; the client has its answer
-
-    def accept(self, event: SSEEvent) -> bytes | None:
-        """Inspect one event; return the bytes to forward, or None to drop it."""
-        raw, data = event
-        return raw if data is None or self.accept_data(data) else None
-
-    def accept_data(self, data: bytes) -> bool:
-        """Inspect one event's data; False: drop the event (a usage chunk the client
-        did not ask for)."""
-        if data == DONE:
-            self.done = True
-            return True
-        try:
-            payload = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            raise UpstreamProtocolError("backend sent an SSE event that is not JSON") from None
-        if type(payload) is not dict:
-            raise UpstreamProtocolError("backend sent an SSE event that is not a JSON object")
-        if self.events is not None:
-            signal = self.events.read(payload)
-            if signal is not NO_SIGNAL:
-                if signal.usage is not None:
-                    self.usage = signal.usage
-                self.done = self.done or signal.ends
-                self.upstream_error = self.upstream_error or signal.error
-            return True
-        if "error" in payload:
-            self.upstream_error = True
-            return True
-        if (raw_usage := payload.get("usage")) is not None:
-            tokens = raw_usage.get("completion_tokens") if isinstance(raw_usage, dict) else None
-            if isinstance(tokens, int):
-                self.inspector.completion_tokens = tokens
-            usage = read_openai_usage(payload)
-            if usage is not None:
-                self.usage = usage
-                if self.strip_usage and payload.get("choices") == []:
-                    return False
-        self.inspector.feed(payload)
-        return True
-
-    async def next_batch(self) -> list[bytes] | None:
-        """The forwardable events of the next network chunk; None once the stream has
-        ended (``[DONE]``, an error event, or the end of the body after either)."""
-        if self.done or self.upstream_error or self._body_ended:
-            if self._body_ended and not self.ended():
-                raise UpstreamProtocolError("backend stream ended before [DONE]")
-            return None
-        if self.stall_watch is not None:
-            self.waiting_since = self.stall_watch.clock()
-        try:
-            chunk = await self.response.content.readany()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            raise transport_error(self.backend, exc) from exc
-        self.waiting_since = 0.0
-        if chunk:
-            return self.take(chunk)
-        # The end of the body: an unterminated last event is still an event.
-        self._body_ended = True
-        tail = self.parser.close()
-        forward = self.accept(tail) if tail is not None else None
-        if forward is not None:
-            return [forward]  # the next call says whether [DONE] came
-        return await self.next_batch()
-
-    def take(self, chunk: bytes) -> list[bytes]:
-        """Inspect one network chunk; return the bytes to forward.
-
-        vLLM's text events (``CONTENT_EVENT``) are read without parsing their JSON and
-        forwarded as the chunk's own bytes; every other event goes through the SSE
-        parser and ``accept``. A chunk that is exactly one text event is taken whole
-        (a paced stream's every read); one that does not start on an event boundary
-        or has CR line ends goes to the parser whole, as does every chunk of a typed
-        event stream (``events``)."""
-        if self.parser.pending or self.events is not None:
-            return self._take_parsed(chunk)
-        events = self.text_events
-        head, tail = events.head, events.tail
-        if (
-            head is not None
-            and len(chunk) >= len(head) + len(tail)
-            and chunk.startswith(head)
-            and chunk.endswith(tail)
-        ):
-            # Exactly one text event of this stream if what lies between is one JSON
-            # string's contents (a paced stream's every read): they hold no unescaped
-            # quote, so the tail at the chunk's end is the event's own.
-            try:
-                text = string_contents(chunk[len(head) : len(chunk) - len(tail)])
-            except NotText:
-                raise UpstreamProtocolError("backend sent an SSE event that is not JSON") from None
-            if text is not None:
-                self.inspector.feed_first_text(text)
-                return [chunk]
-        if b"\r" in chunk:
-            return self._take_parsed(chunk)
-        inspector = self.inspector
-        read_texts = self.text_events.read_run
-        forward: list[bytes] = []
-        pieces: list[str] = []
-        start = pos = 0  # chunk[start:pos] is forwarded unchanged
-        end = len(chunk)
-        first_choice_seen = inspector.has_first_choice  # changes only in accept()
-        while pos < end:
-            if first_choice_seen:
-                try:
-                    pos = read_texts(chunk, pos, pieces)
-                except NotText:
-                    raise UpstreamProtocolError(
-                        "backend sent an SSE event that is not JSON"
-                    ) from None
-                if pos == end:
-                    break
-            stop = chunk.find(b"\n\n", pos)
-            if stop < 0:
-                break  # an event still arriving: the parser keeps it
-            if pieces:
-                inspector.feed_first_choice(pieces)
-                pieces = []
-            if chunk.startswith(b"data: ", pos) and chunk.find(b"\n", pos, stop) < 0:
-                keep = self.accept_data(chunk[pos + 6 : stop])  # one data line, as vLLM's
-            else:
-                keep = self.accept(lf_event(chunk[pos:stop])) is not None
-            if not keep:  # dropped
-                if pos > start:
-                    forward.append(chunk[start:pos])
-                start = stop + 2
-            first_choice_seen = inspector.has_first_choice
-            pos = stop + 2
-        if pieces:
-            inspector.feed_first_choice(pieces)
-        if pos > start:
-            forward.append(chunk[start:pos])
-        if pos < end:
-            forward.extend(self._take_parsed(chunk[pos:]))
-        return forward
-
-    def _take_parsed(self, chunk: bytes) -> list[bytes]:
-        try:
-            events = self.parser.feed(chunk)
-        except EventTooLarge as exc:
-            raise UpstreamProtocolError(f"backend stream: {exc}") from None
-        accept = self.accept
-        return [f for e in events if (f := accept(e)) is not None]
 
 
 @dataclass(slots=True)
@@ -423,7 +160,7 @@ class Guard:
         self.budget = RetryBudget(settings.guard.budget)
         self.stalls = StallWatch(settings.upstream.timeouts.read_s)
         local_salts = SaltMemory(settings.guard.salt_reuse)
-        #: Shared through Redis when ``state.redis_url`` is set (gateway.shared_state).
+        #: Shared through Redis when ``state.redis_url`` is set (gateway.guard.shared_state).
         self.shared_salts = (
             SharedSaltMemory(local_salts, settings.state, settings.guard.salt_reuse, metrics)
             if settings.state.redis_url is not None
@@ -483,7 +220,7 @@ class Guard:
         headers: CIMultiDict[str],
         started: float,
         client: str = "",
-    ) -> Response:
+    ) -> Answer:
         settings = self.settings.guard
         reuse_salts = settings.salt_reuse.enabled and self.mode is GuardMode.ENFORCE
         # The fingerprint (a hash of the leading messages) is needed now only to route
@@ -663,7 +400,7 @@ class Guard:
         trace.rung += 1
         return self.ladder.rung(conversation, trace.request.client_salt, trace.rung)
 
-    async def _exhausted(self, attempt: Attempt, trace: Trace) -> Response:
+    async def _exhausted(self, attempt: Attempt, trace: Trace) -> Answer:
         kind = attempt.verdict.kind
         assert kind is not None
         if (
@@ -718,7 +455,7 @@ class Guard:
                 if response.status == 200:
                     self._inspect_body(attempt, trace)
             else:
-                inspector = self.detector_for(request.model).stream_inspector()
+                inspector = StreamInspector(self.detector_for(request.model))
                 attempt.stream = StreamState(
                     response,
                     backend,
@@ -779,7 +516,8 @@ class Guard:
             if state.ended():
                 break
             held_bytes += sum(map(len, forward))
-            decision = inspector.hold_decision(
+            decision = hold_decision(
+                inspector,
                 min_release,
                 request.n,
                 ceiling,
@@ -811,7 +549,7 @@ class Guard:
             return "degenerate"
         return "recovered" if trace.degenerate_seen else "clean"
 
-    def _release(self, attempt: Attempt, trace: Trace) -> Response:
+    def _release(self, attempt: Attempt, trace: Trace) -> Answer:
         verdict = self._request_verdict(attempt, trace)
         salt = attempt.salt
         if verdict in ("clean", "recovered") and salt not in (None, trace.request.client_salt):
@@ -820,20 +558,16 @@ class Guard:
         headers = self._headers(attempt, trace, verdict)
         if attempt.stream is None:
             self._finish(trace, attempt.backend, verdict)
-            response = Response(attempt.body, status_code=attempt.status)
-            response.raw_headers.extend(headers)
-            return response
+            return WholeAnswer(attempt.status, attempt.body, headers)
         now = time.perf_counter()
         self.metrics.ttft.labels(trace.model, attempt.backend.name).observe(now - trace.started)
         self.metrics.overhead.labels(trace.request.endpoint, "true").observe(
             max(0.0, now - trace.started - trace.upstream_s)
         )
-        return RelayResponse(
-            lambda send, write_body: self._relay(attempt, trace, verdict, send, write_body),
+        return StreamedAnswer(
+            headers,
+            lambda send, write_now: self._relay(attempt, trace, verdict, send, write_now),
             body_ready=bool(attempt.stream.held),
-            status_code=200,
-            raw_headers=headers,
-            media_type=SSE_MEDIA_TYPE,
             after_complete=attempt.stream.finish_reading,
             on_close=lambda: self._closed(attempt, trace),
             on_client_gone=lambda: self._client_left_mid_stream(trace),
@@ -865,11 +599,16 @@ class Guard:
         self.metrics.client_disconnects.labels(model, request.endpoint, stream, phase).inc()
 
     async def _relay(
-        self, attempt: Attempt, trace: Trace, verdict: str, send: Send, write_body: BodyWriter
+        self,
+        attempt: Attempt,
+        trace: Trace,
+        verdict: str,
+        send: ChunkSender,
+        write_now: ChunkWriter,
     ) -> bytes:
         """Send the held bytes, then the rest of the stream as it arrives, watching it:
-        each chunk written directly where the server allows (``write_body``), else
-        sent as an ASGI frame. The stream's last bytes (from the read that brought
+        each chunk written at once where the server allows (``write_now``), else
+        sent. The stream's last bytes (from the read that brought
         ``[DONE]``, or a closing error event) are returned, to leave with the end of
         the body in one write."""
         state = attempt.stream
@@ -886,8 +625,8 @@ class Guard:
                 state.held.clear()
                 if state.ended():
                     last = data
-                elif not write_body(data):
-                    await send(body_frame(data))
+                elif not write_now(data):
+                    await send(data)
             while (forward := await state.next_batch()) is not None:
                 if released_clean and inspect and inspector.suspect:
                     late = inspector.partial_verdict()
@@ -901,8 +640,8 @@ class Guard:
                     data = forward[0] if len(forward) == 1 else b"".join(forward)
                     if state.done or state.upstream_error:  # the stream's last bytes
                         last = data
-                    elif not write_body(data):
-                        await send(body_frame(data))
+                    elif not write_now(data):
+                        await send(data)
             if released_clean and inspect and state.done:
                 final = inspector.final_verdict()
                 if final.kind is not None:
@@ -918,7 +657,7 @@ class Guard:
             # still takes it, then let the cancellation go on.
             verdict = "error"
             shutting_down = ShuttingDown("the gateway is shutting down")
-            await send(body_frame(last + state.error_event(shutting_down)))
+            await send(last + state.error_event(shutting_down))
             raise
         finally:
             if not state.done:  # a complete stream is read to its end, then closed
