@@ -7,6 +7,7 @@ import atexit
 import logging
 import logging.config
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -56,8 +57,8 @@ def _prepare_multiprocess_metrics(settings: Settings) -> None:
 def tune_malloc() -> None:
     """glibc malloc: serve large blocks from a heap that keeps its memory, instead of
     fresh mmap pages on every request (the image sets the same MALLOC_*_ variables).
-    Measured on this kind of VM, where touching fresh memory is slow: a 3 MB
-    screenshot request cost 32 ms of gateway CPU by default, 11 ms tuned."""
+    On VMs where touching fresh memory is slow, a screenshot request's CPU is
+    mostly page faults otherwise (BENCHMARKS.md, "Memory")."""
     if sys.platform != "linux" or os.environ.get("MALLOC_TRIM_THRESHOLD_"):
         return
     import ctypes
@@ -89,14 +90,15 @@ def serve(args: argparse.Namespace) -> int:
     tune_malloc()
     import uvicorn
 
-    from gateway.server.app import RESOLVED_SETTINGS_ENV
+    from gateway.config import RESOLVED_SETTINGS_ENV
 
     if settings.metrics.enabled and settings.metrics.port is not None:
-        from gateway.observe.metrics import serve_metrics_port
+        from gateway.server.metrics_port import serve_metrics_port
 
         serve_metrics_port(
             settings.metrics.host, settings.metrics.port, settings.metrics.api_key_sha256
         )
+    settings = with_workers_key(settings)
     os.environ[RESOLVED_SETTINGS_ENV] = resolved_settings_json(settings)
     server = settings.server
     from gateway.observe.logs import log_config
@@ -144,6 +146,25 @@ def check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def with_workers_key(settings: Settings) -> Settings:
+    """Several workers and no salt-ladder key configured: draw one here, in the
+    parent, for all of them, so that they compute the same retry salts (without it
+    each worker drew its own, and a conversation retried on another worker
+    recomputed its prompt: BENCHMARKS.md). Replicas still need the configured key."""
+    if settings.server.workers <= 1 or settings.guard.salt_reuse.key is not None:
+        return settings
+    print(
+        f"vllm-guard: guard.salt_reuse.key is not set: drew one for this server's "
+        f"{settings.server.workers} workers; replicas need the same configured key "
+        "(VLLM_GUARD_GUARD__SALT_REUSE__KEY) to share retry salts",
+        file=sys.stderr,
+    )
+    key = SecretStr(secrets.token_hex(32))
+    salt_reuse = settings.guard.salt_reuse.model_copy(update={"key": key})
+    guard = settings.guard.model_copy(update={"salt_reuse": salt_reuse})
+    return settings.model_copy(update={"guard": guard})
+
+
 def resolved_settings_json(settings: Settings) -> str:
     """The settings for the worker processes, secrets included: pydantic's JSON masks
     a ``SecretStr`` as ``**********``, which gave every worker the salt-ladder key
@@ -158,7 +179,7 @@ def resolved_settings_json(settings: Settings) -> str:
 
 
 def hash_key_command(args: argparse.Namespace) -> int:
-    from gateway.server.app import hash_key
+    from gateway.server.auth import hash_key
 
     key = sys.stdin.readline().strip() if args.key is None else args.key
     if not key:

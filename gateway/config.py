@@ -8,10 +8,11 @@ file > defaults.  ``load_settings`` is the only entry point; it raises
 
 from __future__ import annotations
 
+import os
 import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal, Self, get_origin
 
 import yaml
 from pydantic import (
@@ -23,11 +24,14 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     InitSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
 )
 
 DEFAULT_BACKEND_URL = "http://127.0.0.1:8000"
@@ -387,10 +391,35 @@ class StateSettings(_Strict):
         return url
 
 
+class _EnvironmentSource(EnvSettingsSource):
+    """The environment, where a list may also be given comma-separated
+    (``VLLM_GUARD_AUTH__API_KEY_SHA256=<hash>,<hash>``) as well as in JSON."""
+
+    def decode_complex_value(self, field_name: str, field: FieldInfo, value: Any) -> Any:
+        try:
+            return super().decode_complex_value(field_name, field, value)
+        except ValueError:
+            # ``field`` is None for a value inside a dict (pydantic-settings passes it).
+            if get_origin(getattr(field, "annotation", None)) is not list:
+                raise
+            return [item.strip() for item in str(value).split(",") if item.strip()]
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         extra="forbid", frozen=True, env_prefix="VLLM_GUARD_", env_nested_delimiter="__"
     )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, _EnvironmentSource(settings_cls)
 
     server: ServerSettings = ServerSettings()
     upstream: UpstreamSettings = UpstreamSettings()
@@ -464,7 +493,8 @@ def _settings_class(file_data: dict[str, Any]) -> type[Settings]:
             dotenv_settings: PydanticBaseSettingsSource,
             file_secret_settings: PydanticBaseSettingsSource,
         ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return init_settings, env_settings, InitSettingsSource(settings_cls, file_data)
+            environment = _EnvironmentSource(settings_cls)
+            return init_settings, environment, InitSettingsSource(settings_cls, file_data)
 
     return _Loaded
 
@@ -529,3 +559,32 @@ def load_settings(
         return Settings.model_validate(loaded.model_dump())
     except ValidationError as exc:
         raise ConfigError(_describe(exc)) from None
+    except SettingsError as exc:  # a value the environment source could not decode
+        raise ConfigError(_describe_environment_error(exc)) from None
+
+
+def _describe_environment_error(exc: SettingsError) -> str:
+    """pydantic-settings names the field, not the variable: name the variables that
+    set it (``error parsing value for field "auth" from source ...``)."""
+    field = str(exc).split('"')[1] if str(exc).count('"') >= 2 else ""
+    prefix = f"VLLM_GUARD_{field.upper()}"
+    names = sorted(n for n in os.environ if n == prefix or n.startswith(prefix + "__"))
+    where = ", ".join(names) or "a VLLM_GUARD_* variable"
+    return (
+        f"invalid configuration:\n  {where}: cannot parse the value (a list takes JSON, "
+        f'like ["a", "b"], or comma-separated values)'
+    )
+
+
+#: The settings ``vllm-guard serve`` resolved (file, environment, flags), as JSON in
+#: the environment of the process and of each worker it starts.
+RESOLVED_SETTINGS_ENV = "VLLM_GUARD_RESOLVED_SETTINGS"
+
+
+def settings_from_environment() -> Settings:
+    """This process's settings: those the CLI resolved, else the file named by
+    ``VLLM_GUARD_CONFIG`` (or the defaults) with the environment applied."""
+    resolved = os.environ.get(RESOLVED_SETTINGS_ENV)
+    if resolved:
+        return Settings.model_validate_json(resolved)
+    return load_settings(os.environ.get("VLLM_GUARD_CONFIG"))

@@ -73,6 +73,24 @@ class HeadersTooLarge(GatewayError):
     code = "headers_too_large"
 
 
+class RequestTimeout(GatewayError):
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "not_found"
+    code = "not_found"
+
+
+class TooManyConnections(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "too_many_connections"
+
+
 class UpstreamError(GatewayError):
     status = 502
     type = "upstream_error"

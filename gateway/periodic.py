@@ -1,4 +1,6 @@
-"""A background task that runs an async action every N seconds and never dies."""
+"""Timers for many things at once: ``Periodic``, a background task that runs an async
+action every N seconds and never dies; ``Sweep``, one timer that checks every item
+of a set (connections, streams) instead of a timer handle per item."""
 
 from __future__ import annotations
 
@@ -6,6 +8,9 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -33,3 +38,38 @@ class Periodic:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+class Sweep(Generic[T]):
+    """A set of items checked by one timer, every ``period`` seconds while it holds any:
+    ``check(item, now)`` (the event loop's clock) returns True to drop the item. A
+    deadline checked this way fires within ``deadline + period``; a timer handle
+    created and cancelled per item and event cost more than the check."""
+
+    def __init__(self, period: float, check: Callable[[T, float], bool]) -> None:
+        self.period = period
+        self.check = check
+        self.items: set[T] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, item: T) -> None:
+        self.items.add(item)
+        if self._timer is None:
+            self._loop = asyncio.get_running_loop()
+            self._timer = self._loop.call_later(self.period, self._sweep)
+
+    def discard(self, item: T) -> None:
+        self.items.discard(item)
+
+    def now(self) -> float:
+        """The clock ``check`` is given (the event loop's, once an item was added)."""
+        return self._loop.time() if self._loop is not None else asyncio.get_running_loop().time()
+
+    def _sweep(self) -> None:
+        assert self._loop is not None
+        now = self._loop.time()
+        for item in list(self.items):
+            if self.check(item, now):
+                self.items.discard(item)
+        self._timer = self._loop.call_later(self.period, self._sweep) if self.items else None

@@ -152,17 +152,9 @@ class StreamInspector:
         self.feed_first_text("".join(pieces))
 
     def feed_first_text(self, text: str) -> None:
-        """One text event of choice 0 that carried nothing else (``feed_first_choice``):
-        ``_feed_text`` spelled out, as it runs once per streamed token."""
-        if text:
-            first = self.choices[0]
-            tracker = first.content
-            before = tracker.visible
-            tracker.feed(text)
-            first.content_parts.append(text)
-            self.visible_chars += tracker.visible - before
-            if tracker.suspect:
-                self.suspect = True
+        """One text event of choice 0 that carried nothing else (``feed_first_choice``)."""
+        first = self.choices[0]
+        self._feed_text(first.content, first.content_parts, text)
 
     def feed(self, chunk: Mapping[str, Any]) -> None:
         choices = chunk.get("choices")

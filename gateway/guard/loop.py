@@ -15,13 +15,10 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import orjson
 from multidict import CIMultiDict
 
-from gateway.apis import ApiAdapter, Usage
 from gateway.config import (
     AfterRelease,
     ExhaustedPolicy,
@@ -30,11 +27,9 @@ from gateway.config import (
     Settings,
 )
 from gateway.detect import (
-    CLEAN,
     DegenerateKind,
     Detector,
     StreamInspector,
-    Verdict,
 )
 from gateway.errors import (
     BackendUnreachable,
@@ -45,6 +40,7 @@ from gateway.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+from gateway.guard.accounting import Accounting
 from gateway.guard.answer import (
     Answer,
     ChunkSender,
@@ -59,7 +55,8 @@ from gateway.guard.request import GuardedRequest, attempt_overrides, body_with
 from gateway.guard.salt import SaltLadder, fresh_salt
 from gateway.guard.shared_state import SharedSaltMemory
 from gateway.guard.stream import StallWatch, StreamState
-from gateway.observe.evidence import EvidenceRecord, EvidenceStore, prompt_fingerprint
+from gateway.guard.trace import Attempt, Trace
+from gateway.observe.evidence import EvidenceStore
 from gateway.observe.metrics import Metrics
 from gateway.upstream.pool import (
     Backend,
@@ -80,66 +77,6 @@ VERDICT_HEADER_RAW = VERDICT_HEADER.encode()
 MAX_HELD_BYTES = 1024 * 1024
 
 
-@dataclass(slots=True)
-class Trace:
-    """Per-request accounting, filled in as the request goes."""
-
-    request: GuardedRequest
-    model: str  # bounded label value
-    started: float
-    #: The conversation's fingerprint for salt reuse (None: not reused); read it
-    #: through ``Guard.conversation``, which computes it when not ``conversation_known``.
-    conversation: str | None
-    conversation_known: bool
-    upstream_s: float = 0.0
-    attempts: int = 0
-    degenerate_seen: bool = False
-    client_gone: bool = False
-    #: Who asked (API-key digest or address): the budget's fair-share key.
-    client: str = ""
-    #: The budget's grant for the attempt under way, when it is a retry.
-    ticket: RetryTicket | None = None
-    #: The backend whose in-flight count this request holds (affinity's bounded load).
-    routed: Backend | None = None
-    #: The salt ladder's rung of the attempt under way (0: the client's own salt).
-    rung: int = 0
-    #: Answers are read and judged (guard not off, and the request not unguardable).
-    inspecting: bool = True
-
-
-@dataclass(slots=True)
-class Attempt:
-    backend: Backend
-    salt: str | None
-    status: int
-    headers: RawHeaders
-    verdict: Verdict = CLEAN
-    body: bytes = b""
-    usage: Usage | None = None
-    stream: StreamState | None = None
-    #: Seconds spent waiting on the backend for this attempt.
-    upstream_s: float = 0.0
-    #: The parsed body of a non-streaming attempt (for evidence capture).
-    payload: dict[str, Any] | None = None
-
-    def output_text(self, api: ApiAdapter) -> str:
-        """What the degenerate choice said (content, else reasoning, else tool args)."""
-        index = self.verdict.choice_index or 0
-        if self.stream is not None:
-            state = self.stream.inspector.choices.get(index)
-            output = state.output() if state is not None else None
-        else:
-            output = dict(api.outputs(self.payload or {})).get(index)
-        if output is None:
-            return ""
-        return output.content or output.reasoning or "".join(output.tool_arguments)
-
-    async def discard(self) -> None:
-        if self.stream is not None:
-            await self.stream.finish_reading()  # a complete stream keeps its connection
-            self.stream.close()
-
-
 class Guard:
     def __init__(
         self,
@@ -154,8 +91,7 @@ class Guard:
         self.settings = settings
         self.pool = pool
         self.metrics = metrics
-        self.evidence = evidence
-        self.version_of = version_of
+        self.accounting = Accounting(metrics, evidence, version_of)
         self.rng = rng or random.Random()
         self.budget = RetryBudget(settings.guard.budget)
         self.stalls = StallWatch(settings.upstream.timeouts.read_s)
@@ -178,7 +114,6 @@ class Guard:
             len(pool.primaries) > 1 and settings.upstream.conversation_affinity
         )
         self._default_detector = Detector(settings.guard.detectors)
-        self._tokens_unreported: set[str] = set()
 
     # -- configuration lookups ----------------------------------------------------
 
@@ -221,8 +156,49 @@ class Guard:
         started: float,
         client: str = "",
     ) -> Answer:
-        settings = self.settings.guard
-        reuse_salts = settings.salt_reuse.enabled and self.mode is GuardMode.ENFORCE
+        """Attempts until one may be released: retried while degenerate (salted, within
+        the budget), failed over while the backend cannot be reached."""
+        trace, fingerprint = self._new_trace(request, started, client)
+        self.budget.record_request()
+        salt = await self._first_salt(trace)
+        backend = self._first_backend(trace, fingerprint)
+        while True:
+            trace.attempts += 1
+            try:
+                attempt = await self._attempt(request, backend, salt, headers, trace)
+            except (BackendUnreachable, UpstreamTimeout, UpstreamProtocolError) as exc:
+                failover = self._after_transport_failure(exc, backend, trace, headers)
+                if failover is None:
+                    raise
+                backend = failover
+                continue
+            except GatewayError:
+                self._settle(trace, recovered=False)
+                self.accounting.finish(trace, backend, "error")
+                raise
+            except BaseException:  # the client left: the retry's outcome is unknown
+                self._settle(trace, recovered=None)
+                trace.unroute()
+                raise
+            self._settle(trace, recovered=attempt.status == 200 and not attempt.verdict.degenerate)
+            if attempt.status != 200 or not attempt.verdict.degenerate:
+                return self._release(attempt, trace)
+            if not self._degenerate_attempt(attempt, trace, headers):
+                return await self._exhausted(attempt, trace)
+            await attempt.discard()
+            if attempt.stream is not None:
+                self.accounting.count_attempt(attempt, trace)
+            self.metrics.retries.labels(trace.model, backend.name, attempt.verdict.kind).inc()
+            salt = self._retry_salt(trace, failed=attempt.salt)
+            backend = self.pool.choose_retry(
+                backend, self.settings.guard.retry_target, self.rng, failover=False
+            )
+
+    def _new_trace(
+        self, request: GuardedRequest, started: float, client: str
+    ) -> tuple[Trace, str | None]:
+        """The request's Trace, and its conversation fingerprint when it is needed now."""
+        reuse_salts = self.settings.guard.salt_reuse.enabled and self.mode is GuardMode.ENFORCE
         # The fingerprint (a hash of the leading messages) is needed now only to route
         # by conversation or to look up a remembered salt; with no salt remembered it
         # is computed if and when a retry needs it (Guard.conversation).
@@ -240,83 +216,75 @@ class Guard:
             conversation_known=fingerprint is not None or not reuse_salts,
             inspecting=self.mode is not GuardMode.OFF and not request.unguardable,
         )
-        self.budget.record_request()
-        salt = request.client_salt
+        return trace, fingerprint
+
+    async def _first_salt(self, trace: Trace) -> str | None:
+        """The client's salt, or the conversation's remembered clean rung."""
         if self.shared_salts is not None and trace.conversation is not None:
             remembered = await self.shared_salts.lookup(trace.conversation)
         else:
             remembered = self.salts.get(trace.conversation)
-        if remembered is not None and settings.salt_reuse.on_first_attempt:
-            salt, trace.rung = remembered
-            self.metrics.salt_reuse.labels(trace.model, "first").inc()
+        if remembered is None or not self.settings.guard.salt_reuse.on_first_attempt:
+            return trace.request.client_salt
+        salt, trace.rung = remembered
+        self.metrics.salt_reuse.labels(trace.model, "first").inc()
+        return salt
+
+    def _first_backend(self, trace: Trace, fingerprint: str | None) -> Backend:
+        """The backend holding a continued answer's history, else the pool's choice
+        (by conversation when routing is affine); its in-flight count is the request's."""
         affinity = fingerprint if self._route_by_conversation else None
-        backend = self._backend_storing(request) or self.pool.choose_first(
-            settings.canary_weight, self.rng, affinity=affinity
+        backend = self._backend_storing(trace.request) or self.pool.choose_first(
+            self.settings.guard.canary_weight, self.rng, affinity=affinity
         )
         trace.routed = backend
         backend.in_flight += 1
-        while True:
-            trace.attempts += 1
-            try:
-                attempt = await self._attempt(request, backend, salt, headers, trace)
-            except (BackendUnreachable, UpstreamTimeout, UpstreamProtocolError) as exc:
-                self._settle(trace, recovered=False)
-                if isinstance(exc, UpstreamProtocolError):
-                    self.metrics.upstream_errors.labels(backend.name, "protocol").inc()
-                failover = self._failover_backend(backend, trace)
-                cause = repr(exc.__cause__) if exc.__cause__ is not None else exc.code
-                if failover is None:
-                    log.warning(
-                        "request %s (%s) failed: %s (%s)",
-                        headers["x-request-id"], request.endpoint, exc.message, cause,
-                    )  # fmt: skip
-                    self._finish(trace, backend, "error")
-                    raise
-                log.warning(
-                    "attempt %d of %s (%s) failed: %s (%s); failing over to %s",
-                    trace.attempts, headers["x-request-id"], request.endpoint, exc.message, cause,
-                    failover.name,
-                )  # fmt: skip
-                self.metrics.retries.labels(trace.model, backend.name, "backend_error").inc()
-                backend = failover
-                continue
-            except GatewayError:
-                self._settle(trace, recovered=False)
-                self._finish(trace, backend, "error")
-                raise
-            except BaseException:  # the client left: the retry's outcome is unknown
-                self._settle(trace, recovered=None)
-                self._unroute(trace)
-                raise
-            self._settle(trace, recovered=attempt.status == 200 and not attempt.verdict.degenerate)
-            if attempt.status != 200 or not attempt.verdict.degenerate:
-                return self._release(attempt, trace)
-            # Degenerate: count it, and retry if the policy and the budget allow.
-            kind = attempt.verdict.kind
-            assert kind is not None
-            trace.degenerate_seen = True
-            self.metrics.degenerate.labels(
-                trace.model, backend.name, kind, trace.request.endpoint
-            ).inc()
-            self._capture(attempt, trace, kind)
-            if attempt.salt is not None and attempt.salt != request.client_salt:
-                self.salts.forget(self.conversation(trace), attempt.salt)
-            retrying = self.mode is GuardMode.ENFORCE and self._may_retry(trace, backend)
-            log.info(
-                "request %s (%s): attempt %d from %s degenerate (%s); %s",
-                headers["x-request-id"], request.endpoint, trace.attempts, backend.name, kind,
-                "retrying" if retrying else "not retried",
-            )  # fmt: skip
-            if not retrying:
-                return await self._exhausted(attempt, trace)
-            await attempt.discard()
-            if attempt.stream is not None:
-                self._count_attempt(attempt, trace)
-            self.metrics.retries.labels(trace.model, backend.name, kind).inc()
-            salt = self._retry_salt(trace, failed=attempt.salt)
-            backend = self.pool.choose_retry(
-                backend, settings.retry_target, self.rng, failover=False
-            )
+        return backend
+
+    def _after_transport_failure(
+        self, exc: GatewayError, backend: Backend, trace: Trace, headers: CIMultiDict[str]
+    ) -> Backend | None:
+        """An attempt that never got an answer: the backend to fail over to, or None
+        (the request fails with ``exc``)."""
+        self._settle(trace, recovered=False)
+        if isinstance(exc, UpstreamProtocolError):
+            self.metrics.upstream_errors.labels(backend.name, "protocol").inc()
+        failover = self._failover_backend(backend, trace)
+        cause = repr(exc.__cause__) if exc.__cause__ is not None else exc.code
+        request_id, endpoint = headers["x-request-id"], trace.request.endpoint
+        if failover is None:
+            log.warning("request %s (%s) failed: %s (%s)", request_id, endpoint, exc.message, cause)
+            self.accounting.finish(trace, backend, "error")
+            return None
+        log.warning(
+            "attempt %d of %s (%s) failed: %s (%s); failing over to %s",
+            trace.attempts, request_id, endpoint, exc.message, cause, failover.name,
+        )  # fmt: skip
+        self.metrics.retries.labels(trace.model, backend.name, "backend_error").inc()
+        return failover
+
+    def _degenerate_attempt(
+        self, attempt: Attempt, trace: Trace, headers: CIMultiDict[str]
+    ) -> bool:
+        """A degenerate attempt: counted, captured, its salt forgotten; whether it is
+        retried (the mode, the per-request bound and the budget allow it)."""
+        kind = attempt.verdict.kind
+        assert kind is not None
+        backend = attempt.backend
+        trace.degenerate_seen = True
+        self.metrics.degenerate.labels(
+            trace.model, backend.name, kind, trace.request.endpoint
+        ).inc()
+        self.accounting.capture(attempt, trace, kind)
+        if attempt.salt is not None and attempt.salt != trace.request.client_salt:
+            self.salts.forget(self.conversation(trace), attempt.salt)
+        retrying = self.mode is GuardMode.ENFORCE and self._may_retry(trace, backend)
+        log.info(
+            "request %s (%s): attempt %d from %s degenerate (%s); %s",
+            headers["x-request-id"], trace.request.endpoint, trace.attempts, backend.name, kind,
+            "retrying" if retrying else "not retried",
+        )  # fmt: skip
+        return retrying
 
     def _backend_storing(self, request: GuardedRequest) -> Backend | None:
         """For a request that continues a stored answer (``previous_response_id``): the
@@ -384,9 +352,9 @@ class Guard:
         The last attempt a request may make always gets a fresh random salt: a
         namespace nobody has used is a cache miss, and a miss cannot load a corrupt
         state. Shared rungs save prefill, but another process may have seen a rung
-        go bad that this one still takes for clean (measured: two gateways
-        alternating a conversation's turns delivered 2 corrupt answers of 72 when
-        every retry climbed the ladder)."""
+        go bad that this one still takes for clean (two gateways alternating a
+        conversation's turns delivered corrupt answers when every retry climbed the
+        ladder: BENCHMARKS.md)."""
         if trace.attempts + 1 >= self.settings.guard.max_attempts > 2:
             return fresh_salt(trace.request.client_salt)
         conversation = self.conversation(trace)
@@ -409,8 +377,8 @@ class Guard:
         ):
             await attempt.discard()
             if attempt.stream is not None:
-                self._count_attempt(attempt, trace)
-            self._finish(trace, attempt.backend, "degenerate")
+                self.accounting.count_attempt(attempt, trace)
+            self.accounting.finish(trace, attempt.backend, "degenerate")
             self.metrics.degenerate_refused.labels(
                 trace.model, attempt.backend.name, kind, trace.request.endpoint
             ).inc()
@@ -476,7 +444,7 @@ class Guard:
             attempt.upstream_s = time.perf_counter() - opened
             trace.upstream_s += attempt.upstream_s
         if attempt.stream is None:
-            self._count_attempt(attempt, trace)
+            self.accounting.count_attempt(attempt, trace)
         return attempt
 
     def _inspect_body(self, attempt: Attempt, trace: Trace) -> None:
@@ -557,7 +525,7 @@ class Guard:
         self._remember_answer(attempt, trace)
         headers = self._headers(attempt, trace, verdict)
         if attempt.stream is None:
-            self._finish(trace, attempt.backend, verdict)
+            self.accounting.finish(trace, attempt.backend, verdict)
             return WholeAnswer(attempt.status, attempt.body, headers)
         now = time.perf_counter()
         self.metrics.ttft.labels(trace.model, attempt.backend.name).observe(now - trace.started)
@@ -588,15 +556,11 @@ class Guard:
     def client_left_before_response(self, request: GuardedRequest) -> None:
         """The client disconnected while the gateway was still working on its answer."""
         model = self.metrics.model_label(request.model)
-        self._count_disconnect(model, request, "before_response")
+        self.accounting.count_disconnect(model, request, "before_response")
 
     def _client_left_mid_stream(self, trace: Trace) -> None:
         trace.client_gone = True
-        self._count_disconnect(trace.model, trace.request, "streaming")
-
-    def _count_disconnect(self, model: str, request: GuardedRequest, phase: str) -> None:
-        stream = "true" if request.stream else "false"
-        self.metrics.client_disconnects.labels(model, request.endpoint, stream, phase).inc()
+        self.accounting.count_disconnect(trace.model, trace.request, "streaming")
 
     async def _relay(
         self,
@@ -668,8 +632,8 @@ class Guard:
             attempt.usage = state.usage
             if state.upstream_error:
                 verdict = "error"
-            self._count_attempt(attempt, trace, degenerate=verdict == "degenerate")
-            self._finish(trace, attempt.backend, verdict)
+            self.accounting.count_attempt(attempt, trace, degenerate=verdict == "degenerate")
+            self.accounting.finish(trace, attempt.backend, verdict)
         return last
 
     def _late_corruption(
@@ -678,7 +642,7 @@ class Guard:
         """A released stream degenerated: count it; with policy "cut", end it in-band."""
         backend = attempt.backend.name
         self.metrics.degenerate.labels(trace.model, backend, kind, trace.request.endpoint).inc()
-        self._capture(attempt, trace, kind)
+        self.accounting.capture(attempt, trace, kind)
         if not ended and self.settings.guard.stream.after_release is AfterRelease.CUT:
             assert attempt.stream is not None
             attempt.stream.close()
@@ -691,85 +655,8 @@ class Guard:
         ).inc()
         return None
 
-    # -- accounting ------------------------------------------------------------------
-
-    def _capture(self, attempt: Attempt, trace: Trace, kind: DegenerateKind) -> None:
-        if self.evidence is None:
-            return
-        request = trace.request
-        body = request.full_body()
-        usage = attempt.usage or (attempt.stream.usage if attempt.stream else None)
-        try:
-            self.evidence.write(
-                EvidenceRecord(
-                    model=request.model,
-                    backend=attempt.backend.name,
-                    vllm_version=self.version_of(attempt.backend.name),
-                    kind=kind,
-                    endpoint=request.endpoint,
-                    stream=request.stream,
-                    attempt=trace.attempts,
-                    prompt_tokens=usage.prompt_tokens if usage else None,
-                    cached_tokens=usage.cached_tokens if usage else None,
-                    prompt_fingerprint=prompt_fingerprint(body),
-                    output=attempt.output_text(request.api),
-                    prompt=body.get(request.api.conversation_field or "prompt"),
-                )
-            )
-        except OSError:
-            log.warning("evidence capture failed; continuing without it", exc_info=True)
-
-    def _count_attempt(
-        self, attempt: Attempt, trace: Trace, degenerate: bool | None = None
-    ) -> None:
-        backend = attempt.backend.name
-        self.metrics.upstream_duration.labels(trace.model, backend).observe(attempt.upstream_s)
-        usage = attempt.usage
-        if usage is None:
-            return
-        label = (
-            "degenerate"
-            if (attempt.verdict.degenerate if degenerate is None else degenerate)
-            else "clean"
-        )
-        if usage.cached_tokens is None:
-            # Counting prompt tokens alone would read as a 0% hit rate: leave both.
-            if backend not in self._tokens_unreported:
-                self._tokens_unreported.add(backend)
-                log.warning(
-                    "backend %s does not report cached_tokens; start vLLM with "
-                    "--enable-prompt-tokens-details to get prefix-cache hit metrics",
-                    backend,
-                )
-            return
-        self.metrics.prompt_tokens.labels(trace.model, backend, label).inc(usage.prompt_tokens)
-        self.metrics.cached_prompt_tokens.labels(trace.model, backend, label).inc(
-            usage.cached_tokens
-        )
-
     def _closed(self, attempt: Attempt, trace: Trace) -> None:
         """A released stream's end, however it came (even when its relay never ran)."""
         if attempt.stream is not None:
             attempt.stream.close()
-        self._unroute(trace)
-
-    def _unroute(self, trace: Trace) -> None:
-        if trace.routed is not None:
-            trace.routed.in_flight -= 1
-            trace.routed = None
-
-    def _finish(self, trace: Trace, backend: Backend, verdict: str) -> None:
-        self._unroute(trace)
-        request = trace.request
-        stream = "true" if request.stream else "false"
-        elapsed = time.perf_counter() - trace.started
-        m = self.metrics
-        m.requests.labels(trace.model, backend.name, request.endpoint, stream, verdict).inc()
-        m.attempts.labels(trace.model).observe(trace.attempts)
-        m.request_duration.labels(trace.model, backend.name, request.endpoint, stream).observe(
-            elapsed
-        )
-        if not request.stream:
-            m.overhead.labels(request.endpoint, stream).observe(
-                max(0.0, elapsed - trace.upstream_s)
-            )
+        trace.unroute()

@@ -23,6 +23,7 @@ from gateway.apis.base import NO_SIGNAL
 from gateway.apis.openai_chunks import read_openai_usage
 from gateway.detect import StreamInspector
 from gateway.errors import GatewayError, UpstreamProtocolError, sse_error_event
+from gateway.periodic import Sweep
 from gateway.upstream.pool import Backend, drop_read_timer, transport_error
 from gateway.wire.sse import DONE, EventTooLarge, SSEEvent, SSEParser, lf_event
 from gateway.wire.vllm_events import NotText, TextEventReader, string_contents
@@ -31,43 +32,32 @@ from gateway.wire.vllm_events import NotText, TextEventReader, string_contents
 FINISH_READING_S = 1.0
 
 
-class StallWatch:
+class StallWatch(Sweep["StreamState"]):
     """The silence timeout of every stream this process reads, checked by one timer:
     a stream that has waited ``stall_s`` for the backend's next bytes gets a timeout
     from its pending read. Only time spent *waiting* on the backend counts: a relay
-    held up by a slow client is not a stalled backend. The timer runs while streams
-    are open, every ``stall_s / 4`` (at most 1 s), so a stall is seen within
-    1.25 x ``stall_s``: one timer per process instead of one per stream or per read."""
+    held up by a slow client is not a stalled backend. Checked every ``stall_s / 4``
+    (at most 1 s), so a stall is seen within 1.25 x ``stall_s``."""
 
     def __init__(self, stall_s: float) -> None:
+        super().__init__(min(stall_s / 4, 1.0), self._silent_too_long)
         self.stall_s = stall_s
-        self.period = min(stall_s / 4, 1.0)
-        self.streams: set[StreamState] = set()
-        self._timer: asyncio.TimerHandle | None = None
-        #: The event loop's clock (its ``time``), once a stream was added.
+        #: The event loop's clock (its ``time``), once a stream was added: read on
+        #: every network read, so a bound method, not ``Sweep.now``.
         self.clock: Callable[[], float] = time.monotonic
 
-    def add(self, stream: StreamState) -> None:
-        self.streams.add(stream)
-        if self._timer is None:
-            loop = asyncio.get_running_loop()
-            self.clock = loop.time
-            self._timer = loop.call_later(self.period, self._sweep)
+    def add(self, item: StreamState) -> None:
+        super().add(item)
+        self.clock = asyncio.get_running_loop().time
 
-    def discard(self, stream: StreamState) -> None:
-        self.streams.discard(stream)
-
-    def _sweep(self) -> None:
-        loop = asyncio.get_running_loop()
-        now = self.clock()
-        for stream in list(self.streams):
-            since = stream.waiting_since
-            if stream.response.closed:
-                self.streams.discard(stream)  # closed without close(): nothing to time
-            elif since and now - since >= self.stall_s:
-                self.streams.discard(stream)
-                stream.stalled(self.stall_s)
-        self._timer = loop.call_later(self.period, self._sweep) if self.streams else None
+    def _silent_too_long(self, stream: StreamState, now: float) -> bool:
+        if stream.response.closed:
+            return True  # closed without close(): nothing to time
+        since = stream.waiting_since
+        if since and now - since >= self.stall_s:
+            stream.stalled(self.stall_s)
+            return True
+        return False
 
 
 @dataclass(slots=True, eq=False)
@@ -131,8 +121,8 @@ class StreamState:
         vLLM ends the chunked body right after ``[DONE]``, but in a separate write that
         usually arrives after the guard stopped reading. Closing a response with
         unread bytes closes its connection: every stream then cost a new TCP
-        connection to vLLM (about a tenth of the gateway's CPU per stream, measured,
-        and a TIME_WAIT socket each). Bounded: a backend that holds the body open
+        connection to vLLM (CPU, and a TIME_WAIT socket each). Bounded: a backend
+        that holds the body open
         after ``[DONE]`` has its connection closed after ``FINISH_READING_S``.
         """
         content = self.response.content

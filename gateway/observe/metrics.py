@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import bisect
 import os
-import threading
-from collections.abc import Iterable, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterable
 from typing import Self
 
 import prometheus_client
@@ -325,42 +323,3 @@ class Metrics:
             ProcessCollector(registry=merged)
             return generate_latest(merged), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
-
-
-def serve_metrics_port(host: str, port: int, key_hashes: Sequence[str]) -> ThreadingHTTPServer:
-    """/metrics on its own address and port, in a thread of the serving process.
-
-    Used with ``metrics.port``; the CLI turns on multiprocess mode first, so this
-    process reads every worker's values from PROMETHEUS_MULTIPROC_DIR.
-    """
-    import hashlib
-    import hmac
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path.split("?", 1)[0] != "/metrics":
-                self.send_error(404)
-                return
-            if key_hashes:
-                scheme, _, key = (self.headers.get("Authorization") or "").partition(" ")
-                digest = hashlib.sha256(key.strip().encode()).hexdigest()
-                if scheme.lower() != "bearer" or not sum(
-                    hmac.compare_digest(digest, h) for h in key_hashes
-                ):
-                    self.send_error(401)
-                    return
-            registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-            body = generate_latest(registry)
-            self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:  # no access log
-            return
-
-    server = ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=server.serve_forever, name="metrics-port", daemon=True).start()
-    return server

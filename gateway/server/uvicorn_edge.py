@@ -12,7 +12,7 @@ half-sent connections stayed open indefinitely. ``EdgeHttpToolsProtocol``:
   silent and half-sent connections alike), answering 408 if it had started one;
 * closes a connection whose body has not arrived within ``server.body_timeout_s``
   of its head (the app sees the client leave); both timeouts are deadlines that
-  one sweep per event loop checks (``ConnectionDeadlines``), not timer handles
+  one sweep per event loop checks (``connection_deadlines``), not timer handles
   created and cancelled per request;
 * answers uvicorn's "too many connections" 503 (``server.max_connections``) in
   OpenAI's error shape instead of plain text;
@@ -36,6 +36,7 @@ import functools
 import logging
 import weakref
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 import uvicorn
@@ -43,7 +44,13 @@ from uvicorn.protocols.http import httptools_impl
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from gateway.errors import error_body
+from gateway.errors import (
+    GatewayError,
+    HeadersTooLarge,
+    RequestTimeout,
+    TooManyConnections,
+)
+from gateway.periodic import Sweep
 from gateway.server.relay import SERVER_HOOKS, ServerHooks, server_hooks
 
 log = logging.getLogger(__name__)
@@ -59,7 +66,7 @@ class EdgeLimits:
 @functools.cache
 def edge_limits() -> EdgeLimits:
     """This process's limits, from the settings ``vllm-guard serve`` resolved."""
-    from gateway.server.app import settings_from_environment
+    from gateway.config import settings_from_environment
 
     server = settings_from_environment().server
     return EdgeLimits(server.max_header_bytes, server.header_timeout_s, server.body_timeout_s)
@@ -77,21 +84,20 @@ def connection_limit(configured: int | None) -> int:
     return max(64, soft // 2) if soft != resource.RLIM_INFINITY else 4096
 
 
-def _raw_error(status: int, reason: str, message: str, type_: str, code: str) -> bytes:
-    body = error_body(message, type_, code=code)
+def _raw_error(error: GatewayError) -> bytes:
+    """A whole HTTP response carrying the error, for the protocol to write itself
+    (no request has reached the app)."""
+    body = error.body()
+    reason = HTTPStatus(error.status).phrase
     return (
-        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"HTTP/1.1 {error.status} {reason}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
     ).encode("latin-1") + body
 
 
 async def service_unavailable(scope: Any, receive: Any, send: Any) -> None:
     """uvicorn's answer when ``limit_concurrency`` is reached, in OpenAI's shape."""
-    body = error_body(
-        "the gateway is at its connection limit; retry shortly",
-        "service_unavailable",
-        code="too_many_connections",
-    )
+    body = TooManyConnections("the gateway is at its connection limit; retry shortly").body()
     await send(
         {
             "type": "http.response.start",
@@ -260,48 +266,29 @@ class _HeadHolder:
         self._transport.close()
 
 
-class ConnectionDeadlines:
-    """The head and body timeouts of every connection one event loop serves, checked
-    by one timer: a timer handle created and cancelled twice per request (head, then
-    body) cost more than the check. The timer runs while connections are open,
-    every quarter of the shorter timeout (at most 1 s), so a timeout fires within
-    1.25 x its setting."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, period: float) -> None:
-        self.loop = loop
-        self.period = period
-        self.connections: set[EdgeHttpToolsProtocol] = set()
-        self._timer: asyncio.TimerHandle | None = None
-
-    def add(self, connection: EdgeHttpToolsProtocol) -> None:
-        self.connections.add(connection)
-        if self._timer is None:
-            self._timer = self.loop.call_later(self.period, self._sweep)
-
-    def discard(self, connection: EdgeHttpToolsProtocol) -> None:
-        self.connections.discard(connection)
-
-    def _sweep(self) -> None:
-        now = self.loop.time()
-        for connection in list(self.connections):
-            if connection.deadline and now >= connection.deadline:
-                connection.timed_out()
-        self._timer = self.loop.call_later(self.period, self._sweep) if self.connections else None
+def _past_deadline(connection: EdgeHttpToolsProtocol, now: float) -> bool:
+    """A connection past its head or body deadline is timed out; it stays in the sweep
+    until ``connection_lost`` takes it out."""
+    if connection.deadline and now >= connection.deadline:
+        connection.timed_out()
+    return False
 
 
-_deadlines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ConnectionDeadlines] = (
+_deadlines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Sweep[EdgeHttpToolsProtocol]] = (
     weakref.WeakKeyDictionary()
 )
 
 
 def connection_deadlines(
     loop: asyncio.AbstractEventLoop, limits: EdgeLimits
-) -> ConnectionDeadlines:
-    """The loop's ``ConnectionDeadlines`` (one per event loop: a test may run several)."""
+) -> Sweep[EdgeHttpToolsProtocol]:
+    """The head and body timeouts of every connection one event loop serves, checked
+    by one sweep (one per event loop: a test may run several), every quarter of the
+    shorter timeout (at most 1 s), so a timeout fires within 1.25 x its setting."""
     deadlines = _deadlines.get(loop)
     if deadlines is None:
         period = min(limits.header_timeout_s, limits.body_timeout_s, 4.0) / 4
-        deadlines = _deadlines[loop] = ConnectionDeadlines(loop, period)
+        deadlines = _deadlines[loop] = Sweep(period, _past_deadline)
     return deadlines
 
 
@@ -326,18 +313,16 @@ class EdgeHttpToolsProtocol(ServerHooksProtocol):
         self.deadline = 0.0
 
     def timed_out(self) -> None:
-        """Called by ``ConnectionDeadlines`` once ``deadline`` has passed."""
+        """Called by the loop's deadline sweep once ``deadline`` has passed."""
         self.deadline = 0.0
         if self.transport.is_closing():
             return
         if self._phase == "head" and self._head_bytes:
             self.transport.write(
                 _raw_error(
-                    408,
-                    "Request Timeout",
-                    f"the request head did not arrive within {self.limits.header_timeout_s:g} s",
-                    "invalid_request_error",
-                    "request_timeout",
+                    RequestTimeout(
+                        f"the request head did not arrive within {self.limits.header_timeout_s:g} s"
+                    )
                 )
             )
         # A silent connection is closed without a word; a slow body's request is
@@ -365,11 +350,9 @@ class EdgeHttpToolsProtocol(ServerHooksProtocol):
                 self._disarm()
                 self.transport.write(
                     _raw_error(
-                        431,
-                        "Request Header Fields Too Large",
-                        f"request headers exceed {self.limits.max_header_bytes} bytes",
-                        "invalid_request_error",
-                        "headers_too_large",
+                        HeadersTooLarge(
+                            f"request headers exceed {self.limits.max_header_bytes} bytes"
+                        )
                     )
                 )
                 self.transport.close()

@@ -3,7 +3,8 @@
 Starts the tiny local vLLM (CPU build) with a poisoned prefix cache - the same
 test-only scheduler the tests use - and the gateway in front of it, runs the
 GUI-agent workload direct and through the gateway, prints both side by side,
-and cleans up its processes. Runs from a source checkout (it uses tests/support).
+and cleans up its processes. It needs a source checkout's tests/support (the
+test-only scheduler; ``localvllm.missing_support`` says exactly what is missing).
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from typing import Any
 
 import orjson
 
-from gateway.tools.localvllm import REPO, SUPPORT, VLLMServer, ensure_model, free_port, wait_http
+from gateway.tools.localvllm import (
+    REPO,
+    SUPPORT,
+    VLLMServer,
+    ensure_model,
+    free_port,
+    missing_support,
+    wait_http,
+)
 from gateway.tools.probe import ProbeConfig, ProbeReport, run_probe
 
 CACHE = Path(os.environ.get("VLLM_GUARD_CACHE", Path.home() / ".cache" / "vllm-guard"))
@@ -32,8 +41,8 @@ def say(message: str, quiet: bool) -> None:
 def run_demo(
     *, poison_rate: float, episodes: int, steps: int, concurrency: int, quiet: bool
 ) -> dict[str, Any]:
-    if not (SUPPORT / "poison_scheduler.py").exists():
-        raise SystemExit("vllm-guard demo runs from a source checkout (needs tests/support/)")
+    if (missing := missing_support()) is not None:
+        raise SystemExit(f"vllm-guard demo: {missing}")
     say("1/5  Finding or installing the vLLM CPU build (first time: ~4 minutes)...", quiet)
     subprocess.run(
         ["bash", str(SUPPORT / "install_vllm.sh")],

@@ -17,9 +17,29 @@ from pathlib import Path
 
 import httpx
 
+#: The source tree this module runs from (an editable install, the image's /app).
 REPO = Path(__file__).resolve().parents[2]
 
-SUPPORT = REPO / "tests" / "support"
+#: The test-only pieces a local poisoned vLLM needs (its install script, the tiny
+#: model builder, the poisoning scheduler): a checkout's ``tests/support``, or
+#: ``VLLM_GUARD_SUPPORT_DIR`` pointing at one.
+SUPPORT = Path(os.environ.get("VLLM_GUARD_SUPPORT_DIR") or REPO / "tests" / "support")
+SUPPORT_FILES = ("install_vllm.sh", "build_tiny_model.py", "poison_scheduler.py")
+
+
+def missing_support() -> str | None:
+    """What the local vLLM lacks to start, said exactly, or None."""
+    missing = [name for name in SUPPORT_FILES if not (SUPPORT / name).exists()]
+    if not missing:
+        return None
+    return (
+        f"the local poisoned vLLM needs {', '.join(missing)} from a vllm-guard source "
+        f"checkout's tests/support (looked in {SUPPORT}): run `make demo` in a checkout, "
+        "or set VLLM_GUARD_SUPPORT_DIR to a checkout's tests/support. They are test-only "
+        "(a scheduler that poisons prefix-cache hits) and are not installed with the package."
+    )
+
+
 MODEL_NAME = "tiny"
 
 
@@ -69,10 +89,10 @@ def vllm_cpus() -> list[int]:
     vLLM's CPU build binds its worker to a core and spins its engine core on
     ``sched_yield()`` while the worker computes a step. On a 2-core machine that
     kept every other process runnable but not running for seconds at a time:
-    during six 1900-token generations a process that wakes every 10 ms missed its
-    wake-up 16 times, by up to 5.9 s, so a test client could only "hang up" after
-    vLLM had finished. With vLLM confined to core 0 it missed none (generation is
-    about 1.6x slower: 6.0 s instead of 3.7 s for 1900 tokens).
+    a process that wakes every 10 ms missed its wake-ups by seconds during long
+    generations, so a test client could only "hang up" after vLLM had finished.
+    With vLLM confined to core 0 it missed none, at the cost of slower generation
+    (BENCHMARKS.md).
     """
     override = os.environ.get("VLLM_GUARD_VLLM_CPUS")
     if override:

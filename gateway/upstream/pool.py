@@ -1,9 +1,9 @@
 """Backend pool: selection, health, the HTTP transport, and upstream error mapping.
 
-The transport is aiohttp: on this machine httpx's default transport collapsed at
-32 concurrent requests (~150 req/s, p99 ~1 s) where aiohttp held ~1,000 req/s
-(issue #10). Everything upstream goes through ``Backend.open``, which maps every
-transport failure onto the GatewayError tree in one place.
+The transport is aiohttp: httpx's default transport collapsed under concurrency
+where aiohttp held (BENCHMARKS.md, issue #10). Everything upstream goes through
+``Backend.open``, which maps every transport failure onto the GatewayError tree in
+one place.
 """
 
 from __future__ import annotations

@@ -138,14 +138,6 @@ def top_level_spans(raw: bytes, start: int = 0, end: int | None = None) -> Spans
         return None
 
 
-def leading_elements(raw: bytes, span: tuple[int, int], limit: int) -> list[object] | None:
-    """The first ``limit`` elements of the array at ``span``, decoded; None if unsure."""
-    try:
-        return [orjson.loads(raw[s:e]) for s, e in _elements(raw, span, limit)]
-    except (_Malformed, IndexError, orjson.JSONDecodeError):
-        return None
-
-
 def leading_messages(raw: bytes, span: tuple[int, int], limit: int) -> list[object] | None:
     """The first ``limit`` chat messages, with every media content part
     (screenshots) reduced to its ``type``: what the conversation fingerprint reads,

@@ -19,9 +19,9 @@ text is a plain string, an integer or ``null``, so the general path (parse the
 JSON, read the event) would find the same text and nothing else: no error, no
 usage, no finish reason, no tool call, no reasoning. Any other event (the role
 event, the finish event, usage, errors, other servers' spellings, CR line ends,
-an escape in the id) does not match and takes the general path. Profiling put
-JSON parsing and reading at about a third of the gateway's CPU per streamed
-token; a match costs a fraction of that.
+an escape in the id) does not match and takes the general path. Parsing each
+event's JSON was the largest part of a streamed token's CPU (BENCHMARKS.md); a
+match costs a fraction of that.
 
 Within one stream every text event has the same bytes around its text (id,
 created, model, null fields): ``TextEventReader`` remembers them from the first

@@ -19,7 +19,7 @@ import pytest
 from conftest import GatewayFactory, RunningVLLM, scraped_metric
 from support.workload import is_corrupt, long_prompt
 
-from gateway.server.app import hash_key
+from gateway.server.auth import hash_key
 
 pytestmark = pytest.mark.vllm
 

@@ -13,7 +13,8 @@ import pytest
 from conftest import GatewayFactory
 from support.stub_backend import StubBackend
 
-from gateway.server.app import UNGUARDED_SPELLINGS, VLLM_ADMIN_PATHS, hash_key
+from gateway.server.auth import hash_key
+from gateway.server.paths import UNGUARDED_SPELLINGS, VLLM_ADMIN_PATHS
 
 
 @pytest.fixture

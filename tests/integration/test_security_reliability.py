@@ -28,7 +28,7 @@ from support.stub_backend import StubBackend
 from support.workload import is_corrupt, long_prompt
 
 from gateway.cli import main as cli_main
-from gateway.server.app import hash_key
+from gateway.server.auth import hash_key
 
 SECRET_KEY = "sk-test-very-secret-0001"
 SECRET_TEXT = "PROMPT-MARKER-7f3a9c-do-not-log"
@@ -396,7 +396,7 @@ def test_disconnect_storm_leaks_nothing(vllm: RunningVLLM, gateway_for: GatewayF
     with ThreadPoolExecutor(100) as pool:
         assert set(pool.map(drop, range(100))) == {"200"}
     assert saw_the_end == []
-    connector = gateway.runtime.session.connector
+    connector = gateway.runtime.pool.session.connector
 
     def disconnects_counted() -> float:
         return scraped_metric(gateway.url, "vllm_guard_client_disconnects_total")

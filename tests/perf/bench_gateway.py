@@ -72,6 +72,8 @@ class ServiceProcess:
         #: Headers every request to it needs (an API key).
         self.headers = headers or {}
         self.process: subprocess.Popen[bytes] | None = None
+        #: Working directory (another checkout's, to run its code: ``-m`` puts it first).
+        self.cwd: str | None = None
 
     @property
     def url(self) -> str:
@@ -80,7 +82,7 @@ class ServiceProcess:
     def __enter__(self) -> Any:
         log = (ARTIFACTS / f"{self.name}.log").open("wb")
         self.process = subprocess.Popen(
-            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env
+            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.cwd
         )
         wait_http(self.url + self.ready_path, 120, self.process)
         return self

@@ -2,6 +2,7 @@
 
     make bench-proxy        # installs nginx (Debian) and LiteLLM (own venv) if missing
     .venv/bin/python tests/perf/bench_proxy.py [--rounds 3] [--peers nginx,litellm,redis]
+                                               [--peers tree=/path/to/another/checkout]
 
 Every proxy is one process in front of the same aiohttp stub that answers
 instantly, so only the proxy's own cost shows. Interleaved and repeated: small
@@ -317,6 +318,14 @@ def main() -> None:
                     stub_url, "proxy-bench-redis", state={"redis_url": redis.url}
                 )
                 proxies.append(("vllm-guard + Redis", stack.enter_context(shared)))
+            for peer in peers:  # tree=<dir>: the gateway again, run from another checkout
+                if peer.startswith("tree="):
+                    tree = peer.removeprefix("tree=")
+                    other = GatewayProcess(stub_url, "proxy-bench-tree")
+                    # Its own tree first: -m puts the working directory ahead of the
+                    # editable install's finder.
+                    other.cwd = other.env["PYTHONPATH"] = tree
+                    proxies.append((f"vllm-guard ({Path(tree).name})", stack.enter_context(other)))
             if "aiohttp" in peers:
                 proxies.append(("aiohttp", stack.enter_context(aiohttp_peer(stub_url))))
             if "asgi" in peers:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from gateway.cli import main
-from gateway.config import ConfigError, load_settings
+from gateway.config import ConfigError, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -167,3 +172,109 @@ def test_workers_get_the_settings_with_their_secrets() -> None:
     assert worker.guard.salt_reuse.key.get_secret_value() == "ladder-secret"
     assert worker.state.redis_url is not None
     assert worker.state.redis_url.get_secret_value() == "redis://:pw@cache:6379/0"
+
+
+def test_demo_without_a_checkout_says_exactly_what_it_needs(tmp_path: Path) -> None:
+    """Installed without the source tree, ``vllm-guard demo`` names the files it lacks
+    and where it looked, and exits without starting anything."""
+    env = {**os.environ, "VLLM_GUARD_SUPPORT_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "demo", "--json"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "install_vllm.sh, build_tiny_model.py, poison_scheduler.py" in done.stderr
+    assert str(tmp_path) in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def setting_paths(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every setting's dotted path (nested sections walked; a list of models or a
+    mapping of models is one setting: its items are documented by example)."""
+    paths = []
+    for name, field in model.model_fields.items():
+        path = prefix + name
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            paths += setting_paths(annotation, path + ".")
+        else:
+            paths.append(path)
+    return paths
+
+
+def documented_paths(text: str) -> set[str]:
+    """The dotted paths of config/vllm-guard.yaml's keys, commented-out ones included."""
+    paths: set[str] = set()
+    stack: list[tuple[int, str]] = []
+    for line in text.splitlines():
+        match = re.match(r"^(\s*)(?:#\s?)?(\s*)(?:- )?([a-z_][a-z0-9_]*):(\s|$)", line)
+        if not match:
+            continue
+        indent = len(match[1]) + len(match[2])
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = ".".join([*(key for _, key in stack), match[3]])
+        paths.add(path)
+        stack.append((indent, match[3]))
+    return paths
+
+
+def test_the_documented_config_lists_every_setting() -> None:
+    """config/vllm-guard.yaml says it lists every setting: each one the model
+    accepts is there (as a key or a commented example), and nothing else."""
+    documented = documented_paths((ROOT / "config" / "vllm-guard.yaml").read_text())
+    missing = [path for path in setting_paths(Settings) if path not in documented]
+    assert missing == []
+
+
+def test_a_list_setting_from_the_environment_takes_json_or_commas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first, second = "a" * 64, "b" * 64
+    monkeypatch.setenv("VLLM_GUARD_AUTH__API_KEY_SHA256", f"{first}, {second}")
+    assert load_settings().auth.api_key_sha256 == [first, second]
+    monkeypatch.setenv("VLLM_GUARD_AUTH__API_KEY_SHA256", f'["{first}"]')
+    assert load_settings().auth.api_key_sha256 == [first]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("VLLM_GUARD_AUTH__API_KEY_SHA256", "not-a-digest"),
+        ("VLLM_GUARD_SERVER__PORT", "eighty"),
+        ("VLLM_GUARD_MODELS", "{not json"),
+        ("VLLM_GUARD_UPSTREAM__BACKENDS", "http://vllm:8000"),
+    ],
+)
+def test_a_bad_environment_value_exits_2_naming_the_variable(variable: str, value: str) -> None:
+    env = {**os.environ, variable: value}
+    for command in (["check-config", str(ROOT / "config" / "vllm-guard.yaml")], ["serve"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", *command],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert variable in done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def test_workers_without_a_configured_key_share_one_drawn_by_the_parent(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every worker reads the parent's resolved settings: one key drawn there is every
+    worker's ladder key. One worker keeps drawing its own; a configured key stays."""
+    from gateway.cli import resolved_settings_json, with_workers_key
+
+    two = Settings.model_validate({"server": {"workers": 2}})
+    drawn = with_workers_key(two)
+    key = drawn.guard.salt_reuse.key
+    assert key is not None
+    assert len(key.get_secret_value()) == 64
+    worker = Settings.model_validate_json(resolved_settings_json(drawn))
+    assert worker.guard.salt_reuse.key == key
+    assert "replicas need the same configured key" in capsys.readouterr().err
+    assert with_workers_key(Settings()).guard.salt_reuse.key is None
+    configured = Settings.model_validate(
+        {"server": {"workers": 2}, "guard": {"salt_reuse": {"key": "k"}}}
+    )
+    assert with_workers_key(configured) is configured

@@ -1,0 +1,80 @@
+"""What the guard keeps about one request (``Trace``) and each of its attempts
+(``Attempt``) while it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.apis import ApiAdapter, Usage
+from gateway.detect import CLEAN, Verdict
+from gateway.guard.budget import RetryTicket
+from gateway.guard.request import GuardedRequest
+from gateway.guard.stream import StreamState
+from gateway.upstream.pool import Backend, RawHeaders
+
+
+@dataclass(slots=True)
+class Trace:
+    """Per-request accounting, filled in as the request goes."""
+
+    request: GuardedRequest
+    model: str  # bounded label value
+    started: float
+    #: The conversation's fingerprint for salt reuse (None: not reused); read it
+    #: through ``Guard.conversation``, which computes it when not ``conversation_known``.
+    conversation: str | None
+    conversation_known: bool
+    upstream_s: float = 0.0
+    attempts: int = 0
+    degenerate_seen: bool = False
+    client_gone: bool = False
+    #: Who asked (API-key digest or address): the budget's fair-share key.
+    client: str = ""
+    #: The budget's grant for the attempt under way, when it is a retry.
+    ticket: RetryTicket | None = None
+    #: The backend whose in-flight count this request holds (affinity's bounded load).
+    routed: Backend | None = None
+    #: The salt ladder's rung of the attempt under way (0: the client's own salt).
+    rung: int = 0
+    #: Answers are read and judged (guard not off, and the request not unguardable).
+    inspecting: bool = True
+
+    def unroute(self) -> None:
+        """Give back the in-flight count the request holds on its backend (once)."""
+        if self.routed is not None:
+            self.routed.in_flight -= 1
+            self.routed = None
+
+
+@dataclass(slots=True)
+class Attempt:
+    backend: Backend
+    salt: str | None
+    status: int
+    headers: RawHeaders
+    verdict: Verdict = CLEAN
+    body: bytes = b""
+    usage: Usage | None = None
+    stream: StreamState | None = None
+    #: Seconds spent waiting on the backend for this attempt.
+    upstream_s: float = 0.0
+    #: The parsed body of a non-streaming attempt (for evidence capture).
+    payload: dict[str, Any] | None = None
+
+    def output_text(self, api: ApiAdapter) -> str:
+        """What the degenerate choice said (content, else reasoning, else tool args)."""
+        index = self.verdict.choice_index or 0
+        if self.stream is not None:
+            state = self.stream.inspector.choices.get(index)
+            output = state.output() if state is not None else None
+        else:
+            output = dict(api.outputs(self.payload or {})).get(index)
+        if output is None:
+            return ""
+        return output.content or output.reasoning or "".join(output.tool_arguments)
+
+    async def discard(self) -> None:
+        if self.stream is not None:
+            await self.stream.finish_reading()  # a complete stream keeps its connection
+            self.stream.close()

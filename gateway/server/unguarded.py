@@ -1,0 +1,83 @@
+"""Every other path: proxied to a backend verbatim, the body read whole (bounded,
+before anything goes upstream), the reply streamed back. A stored Responses
+answer's ``GET`` and ``cancel`` go to the backend that made it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from gateway.config import Settings
+from gateway.errors import GatewayError
+from gateway.observe import logs
+from gateway.server.asgi import error_response, new_request_id, read_body
+from gateway.server.guarded import CLIENT_KEY_HEADERS
+from gateway.server.lifespan import Runtime
+from gateway.server.paths import stored_answer_id
+from gateway.upstream.pool import forward_headers, map_transport_errors, response_headers
+
+log = logging.getLogger("vllm_guard")
+
+ProxyRoute = Callable[[Request, str], Awaitable[Response]]
+
+
+def unguarded_proxy(settings: Settings, runtime: Callable[[Request], Runtime]) -> ProxyRoute:
+    drop = CLIENT_KEY_HEADERS if settings.auth.api_key_sha256 else frozenset()
+    max_body = settings.server.max_body_bytes
+
+    async def proxy(request: Request, path: str) -> Response:
+        state = runtime(request)
+        request_id = request.headers.get("x-request-id") or new_request_id()
+        logs.request_id.set(request_id)
+        raw_path = request.scope.get("raw_path") or request.url.path.encode()
+        try:
+            # Read whole, within the body limit, before anything goes upstream: a
+            # streamed body would reach the backend before the limit could refuse it.
+            body = (
+                await read_body(request.scope, request.receive, max_body)
+                if request.method not in ("GET", "HEAD")
+                else None
+            )
+            stored = stored_answer_id(path)
+            backend = (
+                state.guard.backend_storing_answer(stored) if stored else None
+            ) or state.pool.choose_first(0.0, state.guard.rng)
+            headers = forward_headers(
+                request.headers.raw,
+                request_id=request_id,
+                api_key=settings.upstream.api_key,
+                drop=drop,
+            )
+            upstream = await backend.open(
+                request.method,
+                raw_path.decode("latin-1"),
+                headers=headers,
+                body=body,
+                params=request.url.query,
+            )
+        except GatewayError as exc:
+            return error_response(exc)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        out_headers = response_headers(upstream, keep_encoding=True)
+        if not any(name == b"x-request-id" for name, _ in out_headers):
+            out_headers.append((b"x-request-id", request_id.encode("latin-1")))
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                with map_transport_errors(backend):
+                    async for chunk in upstream.content.iter_any():
+                        yield chunk
+            except GatewayError:
+                log.warning("proxied response from %s broke off", backend.name)
+            finally:
+                upstream.close()
+
+        response = StreamingResponse(relay(), status_code=upstream.status)
+        response.raw_headers.extend(out_headers)  # raw pairs: repeated headers survive
+        return response
+
+    return proxy

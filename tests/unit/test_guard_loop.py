@@ -1,0 +1,342 @@
+"""The guard loop on its own: a ``Guard`` built from settings, a backend pool and
+metrics, no web framework, against a scripted upstream in the test's own event loop
+(aiohttp's test server: real HTTP framing on loopback, each response chosen by the
+test). What vLLM would do is the test's script; the real vLLM runs in
+``tests/integration``. Each test reads the answer the guard hands the server
+(``WholeAnswer`` / ``StreamedAnswer``) and the metrics it counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from multidict import CIMultiDict
+from prometheus_client import CollectorRegistry
+
+from gateway.config import Settings
+from gateway.errors import BackendUnreachable, DegenerateResponse
+from gateway.guard.answer import Answer, StreamedAnswer, WholeAnswer
+from gateway.guard.budget import RetryTicket
+from gateway.guard.loop import Guard
+from gateway.guard.request import parse_guarded
+from gateway.observe.metrics import Metrics
+from gateway.upstream.pool import BackendPool
+
+CLEAN_TEXT = "Open the settings page, then click the blue Save button."
+BANGS = "!" * 48
+
+
+def whole(text: str) -> bytes:
+    return orjson.dumps({
+        "id": "chatcmpl-1", "object": "chat.completion", "model": "m",
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": text}}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21},
+    })  # fmt: skip
+
+
+def chunk(content: str | None = None, finish: str | None = None, **more: Any) -> bytes:
+    delta = {} if content is None else {"content": content}
+    body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **more}  # fmt: skip
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def stream_of(*pieces: str) -> list[bytes]:
+    usage = {"prompt_tokens": 9, "completion_tokens": len(pieces), "total_tokens": 9}
+    return [
+        *(chunk(piece) for piece in pieces),
+        chunk(finish="stop"),
+        b"data: " + orjson.dumps({"id": "chatcmpl-1", "choices": [], "usage": usage}) + b"\n\n",
+        b"data: [DONE]\n\n",
+    ]
+
+
+@dataclass
+class Script:
+    """The upstream's answers, one per request, in order; what each request sent."""
+
+    answers: list[Callable[[web.Request], Awaitable[web.StreamResponse]]] = field(
+        default_factory=list
+    )
+    received: list[dict[str, Any]] = field(default_factory=list)
+    #: Set when a streamed answer's client (the gateway) went away mid-stream.
+    abandoned: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.received.append(await request.json())
+        return await self.answers.pop(0)(request)
+
+
+def answers_whole(text: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def answer(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=whole(text), content_type="application/json")
+
+    return answer
+
+
+def answers_stream(
+    events: list[bytes], gap_s: float = 0.0, script: Script | None = None
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for event in events:
+                await response.write(event)
+                await asyncio.sleep(gap_s)
+        except (ConnectionResetError, asyncio.CancelledError):
+            if script is not None:
+                script.abandoned.set()
+            raise
+        return response
+
+    return answer
+
+
+@contextlib.asynccontextmanager
+async def guard_with(
+    script: Script, *, backends: int = 1, dead_first: bool = False, **guard: Any
+) -> AsyncIterator[Guard]:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", script.handle)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    urls = [str(server.make_url("")).rstrip("/")] * backends
+    if dead_first:  # a backend nothing listens on, first in line
+        urls = ["http://127.0.0.1:9", *urls]
+    settings = Settings.model_validate({
+        "upstream": {"backends": [{"name": f"b{i}", "url": u} for i, u in enumerate(urls)],
+                     "conversation_affinity": False},
+        "guard": guard,
+    })  # fmt: skip
+    pool = BackendPool(settings.upstream)
+    metrics = Metrics(CollectorRegistry(), models=["m"], backends=pool.names)
+    try:
+        yield Guard(settings, pool, metrics)
+    finally:
+        await pool.stop()
+        await server.close()
+
+
+def request(stream: bool = False, **more: Any) -> Any:
+    body = {"model": "m", "stream": stream, "messages": [{"role": "user", "content": "go"}]}
+    return parse_guarded("chat", orjson.dumps({**body, **more}))
+
+
+async def handle(guard: Guard, stream: bool = False) -> Answer:
+    headers: CIMultiDict[str] = CIMultiDict({"x-request-id": "req-1"})
+    return await guard.handle(request(stream), headers, started=0.0)
+
+
+def header(answer: Answer, name: str) -> str:
+    return dict(answer.headers)[name.encode()].decode()
+
+
+async def relayed(answer: Answer) -> bytes:
+    """What the client receives of a streamed answer (through ``send`` only)."""
+    assert isinstance(answer, StreamedAnswer)
+    sent: list[bytes] = []
+
+    async def send(data: bytes) -> None:
+        sent.append(data)
+
+    try:
+        last = await answer.relay(send, lambda data: False)
+        await answer.after_complete()
+    finally:
+        answer.on_close()
+    return b"".join(sent) + last
+
+
+def metric(guard: Guard, name: str, **labels: str) -> float:
+    total = 0.0
+    for family in guard.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+def content_of(stream: bytes) -> str:
+    text = ""
+    for line in stream.split(b"\n"):
+        if line.startswith(b"data: {"):
+            for choice in orjson.loads(line[6:]).get("choices", []):
+                text += choice.get("delta", {}).get("content") or ""
+    return text
+
+
+def test_a_clean_answer_is_released_after_one_attempt() -> None:
+    async def scenario() -> None:
+        script = Script([answers_whole(CLEAN_TEXT)])
+        async with guard_with(script) as guard:
+            answer = await handle(guard)
+            assert isinstance(answer, WholeAnswer)
+            assert (answer.status, header(answer, "x-vllm-guard-verdict")) == (200, "clean")
+            assert orjson.loads(answer.body)["choices"][0]["message"]["content"] == CLEAN_TEXT
+            assert "cache_salt" not in script.received[0]
+            assert guard.pool.backends[0].in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_degenerate_answer_is_retried_with_a_salt_and_recovered() -> None:
+    async def scenario() -> None:
+        script = Script([answers_whole(BANGS), answers_whole(CLEAN_TEXT)])
+        async with guard_with(script) as guard:
+            answer = await handle(guard)
+            assert isinstance(answer, WholeAnswer)
+            assert header(answer, "x-vllm-guard-verdict") == "recovered"
+            assert header(answer, "x-vllm-guard-attempts") == "2"
+            assert "cache_salt" not in script.received[0]
+            assert script.received[1]["cache_salt"].startswith("vg.")
+            assert metric(guard, "vllm_guard_degenerate_responses_total", kind="punct_run") == 1
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("policy", ["deliver", "error"])
+def test_exhausted_retries_follow_the_policy(policy: str) -> None:
+    async def scenario() -> None:
+        script = Script([answers_whole(BANGS)] * 3)
+        async with guard_with(script, max_attempts=3, on_exhausted=policy) as guard:
+            if policy == "error":
+                with pytest.raises(DegenerateResponse):
+                    await handle(guard)
+                assert metric(guard, "vllm_guard_degenerate_refused_total") == 1
+            else:
+                answer = await handle(guard)
+                assert isinstance(answer, WholeAnswer)
+                assert header(answer, "x-vllm-guard-verdict") == "degenerate"
+                assert metric(guard, "vllm_guard_degenerate_delivered_total") == 1
+            assert len(script.received) == 3
+            assert guard.pool.backends[0].in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_retry_the_budget_refuses_is_not_sent() -> None:
+    """A budget with no allowance, and retries known not to recover: the degenerate
+    answer is delivered after one attempt and the refusal counted."""
+
+    async def scenario() -> None:
+        script = Script([answers_whole(BANGS)])
+        budget = {"ratio": 0.0, "min_per_second": 0.0, "min_failed": 1.0}
+        async with guard_with(script, budget=budget) as guard:
+            # Teach it that retries on b0 do not recover: failures until it refuses.
+            for _ in range(5):
+                ticket = guard.budget.request_retry("b0", "teacher")
+                if not isinstance(ticket, RetryTicket):
+                    break
+                guard.budget.settle(ticket, recovered=False)
+            assert not guard.budget.recovering("b0")
+            answer = await handle(guard)
+            assert header(answer, "x-vllm-guard-verdict") == "degenerate"
+            assert len(script.received) == 1
+            assert metric(guard, "vllm_guard_retries_refused_total", reason="budget") == 1
+
+    asyncio.run(scenario())
+
+
+def test_an_unreachable_backend_fails_over_to_the_next() -> None:
+    async def scenario() -> None:
+        script = Script([answers_whole(CLEAN_TEXT)])
+        async with guard_with(script, dead_first=True) as guard:
+            guard.pool.choose_first = lambda *a, **k: guard.pool.backends[0]  # type: ignore[method-assign]
+            answer = await handle(guard)
+            assert header(answer, "x-vllm-guard-attempts") == "2"
+            assert len(script.received) == 1
+            assert metric(guard, "vllm_guard_retries_total", reason="backend_error") == 1
+
+    asyncio.run(scenario())
+
+
+def test_with_no_backend_to_fail_over_to_the_error_is_the_clients() -> None:
+    async def scenario() -> None:
+        async with guard_with(Script(), dead_first=True) as guard:
+            guard.pool.backends[1].healthy = False
+            with pytest.raises(BackendUnreachable):
+                await handle(guard)
+            assert guard.pool.backends[0].in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_healthy_stream_is_released_whole_to_the_client() -> None:
+    async def scenario() -> None:
+        words = [w + " " for w in CLEAN_TEXT.split()]
+        script = Script([answers_stream(stream_of(*words))])
+        async with guard_with(script) as guard:
+            answer = await handle(guard, stream=True)
+            assert isinstance(answer, StreamedAnswer)
+            assert header(answer, "x-vllm-guard-verdict") == "clean"
+            body = await relayed(answer)
+            assert content_of(body) == "".join(words)
+            assert body.endswith(b"data: [DONE]\n\n")
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_degenerate_from_its_start_is_held_and_retried() -> None:
+    """The client never sees the first attempt's ``!``: it is held back, judged and
+    discarded; the retry's stream is the one released."""
+
+    async def scenario() -> None:
+        script = Script(
+            [answers_stream(stream_of(*["!!!!"] * 12)), answers_stream(stream_of(CLEAN_TEXT))]
+        )
+        async with guard_with(script) as guard:
+            answer = await handle(guard, stream=True)
+            assert header(answer, "x-vllm-guard-verdict") == "recovered"
+            body = await relayed(answer)
+            assert content_of(body) == CLEAN_TEXT
+            assert b"!!!!" not in body
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_that_degenerates_after_release_is_cut_in_band() -> None:
+    async def scenario() -> None:
+        late = stream_of(CLEAN_TEXT, *["!!!!"] * 20)
+        script = Script([answers_stream(late)])
+        after_release = {"after_release": "cut", "release": "first_token"}
+        async with guard_with(script, stream=after_release) as guard:
+            answer = await handle(guard, stream=True)
+            body = await relayed(answer)
+            assert content_of(body).startswith(CLEAN_TEXT)
+            assert b'"code":"degenerate_response"' in body
+            assert metric(guard, "vllm_guard_stream_cut_total") == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_mid_attempt_frees_the_backend() -> None:
+    """The server cancels ``handle`` when the client leaves (``ClientWatch``): the
+    upstream request is closed (the backend sees its client go) and the request's
+    in-flight count is given back."""
+
+    async def scenario() -> None:
+        script = Script()
+        # Whitespace only: nothing visible, so the stream stays held while it runs.
+        slow = answers_stream([chunk(" ")] * 200, gap_s=0.02, script=script)
+        script.answers.append(slow)
+        async with guard_with(script) as guard:
+            work = asyncio.ensure_future(handle(guard, stream=True))
+            await asyncio.sleep(0.3)  # held back: the stream is still being judged
+            assert guard.pool.backends[0].in_flight == 1
+            work.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await work
+            assert guard.pool.backends[0].in_flight == 0
+            await asyncio.wait_for(script.abandoned.wait(), 5)
+
+    asyncio.run(scenario())
