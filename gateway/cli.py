@@ -17,7 +17,7 @@ import orjson
 from pydantic import SecretStr
 
 from gateway import __version__
-from gateway.config import ConfigError, Settings, load_settings
+from gateway.config import ConfigError, EvidenceSettings, Settings, load_settings
 
 
 def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -297,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     hash_parser.set_defaults(func=hash_key_command)
 
     evidence = commands.add_parser("evidence", help="summarise an evidence capture store")
-    evidence.add_argument("path", nargs="?", default="vllm-guard-evidence.jsonl")
+    evidence.add_argument("path", nargs="?", default=EvidenceSettings().path)
     evidence.set_defaults(func=evidence_command)
 
     probe = commands.add_parser(

@@ -303,6 +303,10 @@ class ServerSettings(_Strict):
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
     #: "text" (human), or "json": one JSON object per line with the request id.
     log_format: Literal["text", "json"] = "text"
+    #: One line per request (method, path, status, duration, request id) on the
+    #: ``vllm_guard.access`` logger, in ``log_format``. Off: the guard already logs
+    #: every request that was not plainly clean.
+    access_log: bool = False
     #: vLLM's administrative endpoints (/reset_prefix_cache, /sleep, /collective_rpc,
     #: /v1/load_lora_adapter, ...) and unguarded ways into its generation handlers
     #: (/invocations, /v1/chat/completions/batch) are refused; list here the ones the
@@ -360,7 +364,9 @@ class EvidenceSettings(_Strict):
     """Opt-in capture of degenerate attempts, for upstream bug reports."""
 
     enabled: bool = False
-    path: str = "vllm-guard-evidence.jsonl"
+    #: Under /tmp: writable under a read-only root filesystem (the Deployment mounts
+    #: an emptyDir there); mount a volume and point this at it to keep evidence.
+    path: str = "/tmp/vllm-guard/evidence.jsonl"  # noqa: S108 (a writable default, see above)
     max_bytes: Annotated[int, Field(ge=4096)] = 50 * 1024 * 1024
     backups: Annotated[int, Field(ge=0, le=100)] = 5
     #: Also store the prompt text (otherwise only its fingerprint and token counts).

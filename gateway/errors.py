@@ -29,6 +29,10 @@ class GatewayError(Exception):
     status = 500
     type = "internal_error"
     code: str | None = None
+    #: The gateway answers this itself, without a backend's answer (counted in
+    #: ``vllm_guard_gateway_answered_total``); False for what a backend's attempts
+    #: ended in, which the guard counts as the request's verdict.
+    answered_by_gateway = True
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -95,6 +99,7 @@ class UpstreamError(GatewayError):
     status = 502
     type = "upstream_error"
     code = "bad_gateway"
+    answered_by_gateway = False
 
 
 class BackendUnreachable(UpstreamError):
@@ -109,6 +114,7 @@ class DegenerateResponse(GatewayError):
     status = 502
     type = "degenerate_response"
     code = "degenerate_response"
+    answered_by_gateway = False
 
 
 class InternalError(GatewayError):
@@ -131,6 +137,7 @@ class UpstreamTimeout(GatewayError):
     status = 504
     type = "timeout"
     code = "upstream_timeout"
+    answered_by_gateway = False
 
 
 def error_body(message: str, type_: str, *, param: str | None = None, code: str | None) -> bytes:

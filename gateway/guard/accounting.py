@@ -51,6 +51,7 @@ class Accounting:
                     prompt_fingerprint=prompt_fingerprint(body),
                     output=attempt.output_text(request.api),
                     prompt=body.get(request.api.conversation_field or "prompt"),
+                    request_id=trace.request_id or None,
                 )
             )
         except OSError:
@@ -90,13 +91,40 @@ class Accounting:
         m = self.metrics
         m.requests.labels(trace.model, backend.name, request.endpoint, stream, verdict).inc()
         m.attempts.labels(trace.model).observe(trace.attempts)
-        m.request_duration.labels(trace.model, backend.name, request.endpoint, stream).observe(
-            elapsed
-        )
+        m.request_duration.labels(
+            trace.model, backend.name, request.endpoint, stream, verdict
+        ).observe(elapsed)
         if not request.stream:
             m.overhead.labels(request.endpoint, stream).observe(
                 max(0.0, elapsed - trace.upstream_s)
             )
+        if verdict != "clean" or trace.attempts > 1:
+            self.log_outcome(trace, backend, verdict, elapsed)
+
+    def log_outcome(self, trace: Trace, backend: Backend, verdict: str, elapsed: float) -> None:
+        """One line for a request that was not plainly clean: what happened to each
+        attempt, the salt ladder's rung it ended on (never the salt), the outcome and
+        the latency the retries added. With ``log_format: json`` the same as fields."""
+        added = max(0.0, trace.attempt_started - trace.started) if trace.attempts > 1 else 0.0
+        fields = {
+            "api": trace.request.endpoint,
+            "model": trace.model,
+            "backend": backend.name,
+            "attempts": trace.attempts,
+            "kinds": trace.kinds,
+            "rung": trace.rung,
+            "outcome": verdict,
+            "duration_ms": round(elapsed * 1000, 1),
+            "added_ms": round(added * 1000, 1),
+        }
+        log.info(
+            "request %s (%s, model %s): %s after %d attempt(s) [%s], backend %s, salt rung "
+            "%d, %.0f ms (%.0f ms added by retries)",
+            trace.request_id, fields["api"], trace.model, verdict, trace.attempts,
+            ", ".join(trace.kinds) or "-", backend.name, trace.rung, elapsed * 1000,
+            added * 1000,
+            extra={"fields": fields},
+        )  # fmt: skip
 
     def count_disconnect(self, model: str, request: GuardedRequest, phase: str) -> None:
         stream = "true" if request.stream else "false"

@@ -159,6 +159,7 @@ class Guard:
         """Attempts until one may be released: retried while degenerate (salted, within
         the budget), failed over while the backend cannot be reached."""
         trace, fingerprint = self._new_trace(request, started, client)
+        trace.request_id = headers.get("x-request-id", "")
         self.budget.record_request()
         salt = await self._first_salt(trace)
         backend = self._first_backend(trace, fingerprint)
@@ -247,6 +248,7 @@ class Guard:
         """An attempt that never got an answer: the backend to fail over to, or None
         (the request fails with ``exc``)."""
         self._settle(trace, recovered=False)
+        trace.kinds.append("backend_error")
         if isinstance(exc, UpstreamProtocolError):
             self.metrics.upstream_errors.labels(backend.name, "protocol").inc()
         failover = self._failover_backend(backend, trace)
@@ -272,6 +274,7 @@ class Guard:
         assert kind is not None
         backend = attempt.backend
         trace.degenerate_seen = True
+        trace.kinds.append(kind)
         self.metrics.degenerate.labels(
             trace.model, backend.name, kind, trace.request.endpoint
         ).inc()
@@ -401,6 +404,7 @@ class Guard:
         headers: CIMultiDict[str],
         trace: Trace,
     ) -> Attempt:
+        trace.attempt_started = time.perf_counter()
         body = body_with(request, attempt_overrides(request, salt))
         if trace.attempts > 1:
             # A distinct upstream id per attempt: vLLM may still be aborting the

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.apis import ApiAdapter, Usage
@@ -39,6 +39,14 @@ class Trace:
     rung: int = 0
     #: Answers are read and judged (guard not off, and the request not unguardable).
     inspecting: bool = True
+    #: The request's id (``x-request-id``), for its log lines and evidence.
+    request_id: str = ""
+    #: What went wrong with each attempt that was not released: detector kinds,
+    #: ``backend_error``.
+    kinds: list[str] = field(default_factory=list)
+    #: ``perf_counter`` when the latest attempt started: everything before it is the
+    #: latency that retries and failovers added.
+    attempt_started: float = 0.0
 
     def unroute(self) -> None:
         """Give back the in-flight count the request holds on its backend (once)."""

@@ -12,6 +12,7 @@ processes append to one file.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import time
@@ -40,6 +41,8 @@ class EvidenceRecord:
     prompt_fingerprint: str
     output: str
     prompt: Any = None
+    #: The request's ``x-request-id``: its log lines carry the same.
+    request_id: str | None = None
 
 
 def prompt_fingerprint(body: dict[str, Any]) -> str:
@@ -57,6 +60,8 @@ class EvidenceStore:
         path = Path(settings.path)
         self.path = path.with_name(f"{path.name}.{os.getpid()}") if per_process else path
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(self.path.parent, os.W_OK):  # a read-only mount says so here
+            raise PermissionError(errno.EROFS, "not writable", str(self.path.parent))
 
     def write(self, record: EvidenceRecord) -> None:
         data = {

@@ -29,6 +29,9 @@ class JsonFormatter(logging.Formatter):
         current = request_id.get()
         if current is not None:
             entry["request_id"] = current
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):  # structured fields of the line (log.info(extra=))
+            entry.update(fields)
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return orjson.dumps(entry).decode()

@@ -25,6 +25,7 @@ from prometheus_client import (
 from prometheus_client.metrics import MetricWrapperBase
 
 from gateway import __version__
+from gateway.errors import GatewayError
 
 OTHER = "other"
 MAX_DISCOVERED_MODELS = 64
@@ -192,6 +193,16 @@ class Metrics:
             ["model", "endpoint", "stream", "phase"],
             registry=r,
         )
+        self.gateway_answered = Counter(
+            "vllm_guard_gateway_answered",
+            "Requests the gateway answered itself, without a backend's answer: refused "
+            "(400, 401, 403, 413, 431) or no backend to send them to (503). endpoint: "
+            "the guarded API, or other; reason: the error's code. (The edge's own "
+            "refusals before a request reaches the app, 408 and the connection limit's "
+            "503, are not among them.)",
+            ["endpoint", "status", "reason"],
+            registry=r,
+        )
         self.salt_reuse = Counter(
             "vllm_guard_salt_reuse",
             "Attempts sent with a remembered known-clean salt, by attempt kind.",
@@ -200,8 +211,9 @@ class Metrics:
         )
         self.request_duration = Histogram(
             "vllm_guard_request_duration_seconds",
-            "Time from request received to response complete (backend: the final attempt's).",
-            ["model", "backend", "endpoint", "stream"],
+            "Time from request received to response complete (backend: the final attempt's; "
+            "verdict: as vllm_guard_requests_total's, so a recovery's cost can be graphed).",
+            ["model", "backend", "endpoint", "stream", "verdict"],
             buckets=DURATION_BUCKETS,
             registry=r,
         )
@@ -302,6 +314,11 @@ class Metrics:
         self.build_info.labels(__version__).set(1)
         if not multiprocess_enabled():
             ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes
+
+    def count_answered(self, endpoint: str, error: GatewayError) -> None:
+        """A request the gateway answered itself (when ``error`` is one it answers)."""
+        if error.answered_by_gateway:
+            self.gateway_answered.labels(endpoint, str(error.status), error.code or "none").inc()
 
     def model_label(self, model: str | None) -> str:
         if model is not None and (model in self.models or model in self._discovered):

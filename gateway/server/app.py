@@ -9,21 +9,25 @@ readiness, ``/metrics`` and the unguarded proxy (``gateway.server.unguarded``).
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import orjson
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from gateway import __version__
 from gateway.apis import ADAPTERS, ApiAdapter
 from gateway.config import Settings, settings_from_environment
-from gateway.errors import BadRequest, GatewayError, HeadersTooLarge, NotFound
+from gateway.errors import BadRequest, GatewayError, HeadersTooLarge, NotFound, Unauthorized
+from gateway.observe import logs
 from gateway.server.asgi import (
     JSON_MEDIA_TYPE,
     error_response,
+    header_value,
     internal_error_response,
     log_unexpected,
     unauthorized_response,
@@ -34,6 +38,8 @@ from gateway.server.lifespan import Runtime, runtime_lifespan
 from gateway.server.paths import closed_paths, has_dot_segment, route_path
 from gateway.server.relay import RelayResponse, hold_head
 from gateway.server.unguarded import unguarded_proxy
+
+access_log = logging.getLogger("vllm_guard.access")
 
 
 class GatewayApp(FastAPI):
@@ -71,37 +77,73 @@ class GatewayApp(FastAPI):
             "so a middleware added here would not apply to them: wrap the ASGI app instead"
         )
 
+    #: One log line per request (``server.access_log``).
+    access_log: bool = False
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
-            return
+        elif self.access_log:
+            await self.logged(scope, receive, send)
+        else:
+            await self.dispatch(scope, receive, send)
+
+    async def logged(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``dispatch``, then one access-log line with the status it answered."""
+        started = time.perf_counter()
+        status = 0
+
+        async def noting_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.dispatch(scope, receive, noting_status)
+        finally:
+            elapsed_ms = round((time.perf_counter() - started) * 1000, 1)
+            request_id = logs.request_id.get() or header_value(scope, b"x-request-id") or "-"
+            fields = {"method": scope["method"], "path": scope["path"][:200],
+                      "status": status or 499, "duration_ms": elapsed_ms,
+                      "request_id": request_id}  # fmt: skip
+            access_log.info(
+                "%s %s %d %.1f ms %s", fields["method"], fields["path"], fields["status"],
+                elapsed_ms, request_id, extra={"fields": fields},
+            )  # fmt: skip
+
+    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = route_path(scope["path"])
         api = ADAPTERS.get(path)  # errors on a guarded API's path take its shape
-        refusal = self.refusal(scope, path, api)
+        refusal = self.refusal(scope, path)
         if refusal is not None:
-            await refusal(scope, receive, send)
+            self.count_answered(refusal, api)
+            await error_response(refusal, api)(scope, receive, send)
         elif scope["method"] == "POST" and self.guarded_handler and api is not None:
             await self.guarded(scope, receive, send, api)
         else:
             await super().__call__(scope, receive, send)
 
-    def refusal(self, scope: Scope, path: str, api: ApiAdapter | None) -> Response | None:
+    def refusal(self, scope: Scope, path: str) -> GatewayError | None:
         """The error a request gets before anything else runs, or None."""
         if sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
-            too_large = HeadersTooLarge(f"request headers exceed {self.max_header_bytes} bytes")
-            return error_response(too_large, api)
+            return HeadersTooLarge(f"request headers exceed {self.max_header_bytes} bytes")
         if has_dot_segment(scope["path"]):
-            bad = BadRequest("the request path must not contain '.' or '..' segments")
-            return error_response(bad)
+            return BadRequest("the request path must not contain '.' or '..' segments")
         if path in self.closed_paths:
-            return error_response(self.closed_paths[path])
+            return self.closed_paths[path]
         if (
             self.client_key_hashes
             and not (scope["method"] in ("GET", "HEAD") and path in self.open_paths)
             and not key_allowed(scope, self.client_key_hashes)
         ):
-            return unauthorized_response(api)
+            return Unauthorized("missing or invalid API key")
         return None
+
+    def count_answered(self, error: GatewayError, api: ApiAdapter | None) -> None:
+        """A request the gateway answered itself (``vllm_guard_gateway_answered_total``)."""
+        if self.runtime is not None:
+            self.runtime.metrics.count_answered(api.name if api else "other", error)
 
     async def guarded(self, scope: Scope, receive: Receive, send: Send, api: ApiAdapter) -> None:
         assert self.guarded_handler is not None
@@ -156,6 +198,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.guarded_handler = guarded_handler(settings, current_runtime)
     app.client_key_hashes = tuple(settings.auth.api_key_sha256)
     app.max_header_bytes = settings.server.max_header_bytes
+    app.access_log = settings.server.access_log
     app.closed_paths = closed_paths(settings.server.allow_vllm_paths)
     if settings.metrics.enabled and settings.metrics.port is None:
         # Our own /metrics (it checks metrics.api_key_sha256 itself); otherwise a

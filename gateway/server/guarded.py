@@ -64,6 +64,7 @@ def guarded_handler(settings: Settings, runtime: Callable[[], Runtime]) -> Guard
             answer = await watch.guard(guard.handle(parsed, headers, started, client))
             response = answer_response(answer, watch)
         except GatewayError as exc:
+            runtime().metrics.count_answered(api.name, exc)
             response = error_response(exc, api)
         except ClientGone:
             guard.client_left_before_response(parsed)

@@ -60,11 +60,7 @@ def runtime_lifespan(
             guard_settings.retry_target,
         ).set(1)
         scraper = BackendScraper(pool, metrics, settings.upstream)
-        evidence = (
-            EvidenceStore(settings.evidence, per_process=settings.server.workers > 1)
-            if settings.evidence.enabled
-            else None
-        )
+        evidence = open_evidence(settings)
         guard = Guard(settings, pool, metrics, evidence=evidence, version_of=scraper.version_of)
         attach(app, Runtime(settings, pool, metrics, guard))
         if guard.shared_salts is not None:
@@ -85,6 +81,23 @@ def runtime_lifespan(
                 await guard.shared_salts.close()
 
     return lifespan
+
+
+def open_evidence(settings: Settings) -> EvidenceStore | None:
+    """The evidence store when capture is on and its directory can be written; else
+    None, with an ERROR that says what to mount (a read-only root filesystem)."""
+    if not settings.evidence.enabled:
+        return None
+    try:
+        return EvidenceStore(settings.evidence, per_process=settings.server.workers > 1)
+    except OSError as exc:
+        log.error(
+            "evidence.path %s cannot be written (%s): mount a writable volume at its "
+            "directory (the root filesystem may be read-only) or set evidence.path; "
+            "running without evidence capture",
+            settings.evidence.path, exc.strerror or exc,
+        )  # fmt: skip
+        return None
 
 
 def log_start(settings: Settings, guard: Guard, backends: list[str]) -> None:

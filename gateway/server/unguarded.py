@@ -59,6 +59,7 @@ def unguarded_proxy(settings: Settings, runtime: Callable[[Request], Runtime]) -
                 params=request.url.query,
             )
         except GatewayError as exc:
+            state.metrics.count_answered("other", exc)
             return error_response(exc)
         except ClientDisconnect:
             return Response(status_code=499)

@@ -174,3 +174,52 @@ def test_json_logs_carry_the_request_id(serve: type[Served], stub: StubBackend) 
     assert mine, lines
     assert mine[0]["level"] == "warning"
     assert b"a secret prompt" not in text
+
+
+def test_every_request_is_traceable_in_the_logs_and_counted(
+    serve: type[Served], stub: StubBackend
+) -> None:
+    """``vllm-guard serve`` with JSON logs and the access log on: a request whose
+    every attempt is degenerate leaves one outcome line (attempts, kinds, rung,
+    outcome, the latency retries added) and one access line, both with its id; a
+    request the gateway refuses itself (400) is counted by status and reason."""
+    gateway = serve(log_format="json", access_log="true")
+    stub.state.forced_scenario = "bang"
+    try:
+        degenerate = httpx.post(
+            gateway.url + "/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "user", "content": "a secret prompt"}]},
+            headers={"x-request-id": "req-trace-1"},
+        )
+    finally:
+        stub.state.forced_scenario = None
+    assert degenerate.headers["x-vllm-guard-verdict"] == "degenerate"
+    refused = httpx.post(
+        gateway.url + "/v1/chat/completions",
+        content=b"{not json",
+        headers={"x-request-id": "req-trace-2", "content-type": "application/json"},
+    )
+    assert refused.status_code == 400
+    metrics = httpx.get(gateway.url + "/metrics").text
+    assert (
+        'vllm_guard_gateway_answered_total{endpoint="chat",reason="invalid_request",'
+        'status="400"} 1.0' in metrics
+    )
+    assert 'verdict="degenerate"' in metrics.split("vllm_guard_request_duration_seconds_count")[1]
+    time.sleep(0.5)
+    text = Path(gateway.log.name).read_bytes()
+    lines = [orjson.loads(line) for line in text.splitlines() if line.startswith(b"{")]
+    outcome = [line for line in lines if line.get("outcome")]
+    assert len(outcome) == 1
+    assert outcome[0]["request_id"] == "req-trace-1"
+    assert (outcome[0]["attempts"], outcome[0]["kinds"]) == (3, ["punct_run"] * 3)
+    # Rung 1 for the second attempt; the last one takes a fresh random salt, off the
+    # ladder (Guard._retry_salt), and leaves the rung as it was.
+    assert (outcome[0]["outcome"], outcome[0]["rung"]) == ("degenerate", 1)
+    assert 0 <= outcome[0]["added_ms"] <= outcome[0]["duration_ms"]
+    access = [line for line in lines if line["logger"] == "vllm_guard.access"]
+    assert [(a["request_id"], a["status"], a["path"]) for a in access if a["method"] == "POST"] == [
+        ("req-trace-1", 200, "/v1/chat/completions"),
+        ("req-trace-2", 400, "/v1/chat/completions"),
+    ]
+    assert b"a secret prompt" not in text

@@ -175,8 +175,10 @@ def test_requests_cannot_reach_other_hosts(stub: StubBackend, gateway_for: Gatew
 @pytest.mark.vllm
 def test_evidence_capture(
     vllm: RunningVLLM, gateway_for: GatewayFactory, tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
+    """A recovered request leaves evidence and one log line, both with its request id:
+    what an operator follows from a user's report to the attempt that went bad."""
     store = tmp_path / "evidence.jsonl"
     gateway = gateway_for(
         vllm.url,
@@ -188,14 +190,24 @@ def test_evidence_capture(
     messages = [{"role": "user", "content": f"{SECRET_TEXT} {time.time()} {long_prompt(9, 320)}"}]
     poison = {"vllm_xargs": {"vg_poison_rate": 1.0, "vg_poison_kinds": "bang"}}
     client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=1)
-    answer = client.chat.completions.create(
-        model=vllm.model, messages=messages, max_tokens=20, extra_body=poison
-    )
+    with caplog.at_level("INFO", logger="gateway.guard.accounting"):
+        answer = client.chat.completions.create(
+            model=vllm.model, messages=messages, max_tokens=20, extra_body=poison,
+            extra_headers={"x-request-id": "evidence-req-1"},
+        )  # fmt: skip
     assert not is_corrupt(answer.choices[0].message.content)
+    outcomes = [getattr(r, "fields", None) for r in caplog.records if "evidence-req-1" in r.message]
+    assert outcomes == [
+        {"api": "chat", "model": "tiny", "backend": "vllm0", "attempts": 2,
+         "kinds": ["punct_run"], "rung": 1, "outcome": "recovered",
+         "duration_ms": outcomes[0]["duration_ms"], "added_ms": outcomes[0]["added_ms"]}
+    ]  # fmt: skip
+    assert 0 < outcomes[0]["added_ms"] < outcomes[0]["duration_ms"]
     records = [json.loads(line) for line in store.read_text().splitlines()]
     assert len(records) == 1
     record = records[0]
     assert record["kind"] == "punct_run"
+    assert record["request_id"] == "evidence-req-1"
     assert record["backend"] == "vllm0"
     assert record["model"] == "tiny"
     assert record["vllm_version"] == "0.32.0"

@@ -278,3 +278,25 @@ def test_workers_without_a_configured_key_share_one_drawn_by_the_parent(
         {"server": {"workers": 2}, "guard": {"salt_reuse": {"key": "k"}}}
     )
     assert with_workers_key(configured) is configured
+
+
+def test_an_evidence_path_that_cannot_be_written_is_said_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under a read-only root filesystem (here: a path below a file, which no user
+    can create) the gateway says what to mount and runs without evidence."""
+    from gateway.server.lifespan import open_evidence
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    settings = Settings.model_validate(
+        {"evidence": {"enabled": True, "path": str(blocker / "evidence.jsonl")}}
+    )
+    with caplog.at_level("ERROR", logger="vllm_guard"):
+        assert open_evidence(settings) is None
+    assert "mount a writable volume" in caplog.text
+    assert str(blocker / "evidence.jsonl") in caplog.text
+    writable = Settings.model_validate(
+        {"evidence": {"enabled": True, "path": str(tmp_path / "ok" / "evidence.jsonl")}}
+    )
+    assert open_evidence(writable) is not None
