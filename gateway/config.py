@@ -55,6 +55,13 @@ class BackendSettings(_Strict):
     url: str
     role: BackendRole = BackendRole.PRIMARY
     weight: Annotated[float, Field(gt=0)] = 1.0
+    #: The URL's host is a DNS name with one address per vLLM pod (a headless
+    #: Service): each address is a backend of its own, named ``<name>-<slot>``,
+    #: re-resolved every ``upstream.discovery_interval_s``.
+    discover: bool = False
+    #: Most addresses taken from the name (slots ``<name>-0`` ... ``-<max-1>``: the
+    #: backend label's values stay a bounded set).
+    max_replicas: Annotated[int, Field(ge=1, le=256)] = 32
 
     @field_validator("url")
     @classmethod
@@ -95,6 +102,8 @@ class UpstreamSettings(_Strict):
     conversation_affinity: bool = True
     #: How often each backend's own /metrics is scraped (prefix-cache hit ratio).
     metrics_scrape_interval_s: Annotated[float, Field(gt=0)] = 15.0
+    #: How often backends with ``discover: true`` are resolved again (pods come, go).
+    discovery_interval_s: Annotated[float, Field(gt=0)] = 10.0
     #: Largest single SSE event accepted from a backend (a longer one is a 502, or an
     #: in-band error once the stream is released). vLLM's events are a few hundred bytes.
     max_sse_event_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024

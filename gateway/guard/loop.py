@@ -109,10 +109,6 @@ class Guard:
         self._detectors: dict[str, Detector] = {}
         self._holdback: dict[str | None, int] = {}
         self._release_policies: dict[str | None, ReleasePolicy] = {}
-        #: Several primaries: first attempts follow the conversation (rendezvous).
-        self._route_by_conversation = (
-            len(pool.primaries) > 1 and settings.upstream.conversation_affinity
-        )
         self._default_detector = Detector(settings.guard.detectors)
 
     # -- configuration lookups ----------------------------------------------------
@@ -205,7 +201,7 @@ class Guard:
         # is computed if and when a retry needs it (Guard.conversation).
         fingerprint = (
             self._fingerprint(request)
-            if self._route_by_conversation or (reuse_salts and len(self.salts))
+            if self.pool.conversation_affine or (reuse_salts and len(self.salts))
             else None
         )
         trace = Trace(
@@ -234,7 +230,7 @@ class Guard:
     def _first_backend(self, trace: Trace, fingerprint: str | None) -> Backend:
         """The backend holding a continued answer's history, else the pool's choice
         (by conversation when routing is affine); its in-flight count is the request's."""
-        affinity = fingerprint if self._route_by_conversation else None
+        affinity = fingerprint if self.pool.conversation_affine else None
         backend = self._backend_storing(trace.request) or self.pool.choose_first(
             self.settings.guard.canary_weight, self.rng, affinity=affinity
         )

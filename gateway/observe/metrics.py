@@ -9,6 +9,7 @@ worker starts, and ``render`` merges every worker's files, so totals add up.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
 from collections.abc import Iterable
 from typing import Self
@@ -314,6 +315,15 @@ class Metrics:
         self.build_info.labels(__version__).set(1)
         if not multiprocess_enabled():
             ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes
+
+    def forget_backend(self, name: str) -> None:
+        """A discovered backend left (its slot is free): its per-backend gauges go, so
+        that a gone pod is neither shown up nor alerted on as down. (In multiprocess
+        mode a gauge's file keeps its last value until the slot is taken again.)"""
+        for gauge in (self.backend_up, self.backend_hit_ratio):
+            with contextlib.suppress(KeyError):
+                gauge.remove(name)
+            getattr(gauge, "_remembered", {}).pop((name,), None)
 
     def count_answered(self, endpoint: str, error: GatewayError) -> None:
         """A request the gateway answered itself (when ``error`` is one it answers)."""

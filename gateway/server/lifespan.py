@@ -65,6 +65,8 @@ def runtime_lifespan(
         attach(app, Runtime(settings, pool, metrics, guard))
         if guard.shared_salts is not None:
             await guard.shared_salts.connect()
+        pool.on_departed.append(metrics.forget_backend)
+        await pool.discover()
         await pool.check_all(initial=True)
         await scraper.scrape_once()
         pool.start()

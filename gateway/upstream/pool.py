@@ -15,7 +15,7 @@ import hashlib
 import logging
 import math
 import random
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,8 @@ from gateway.errors import (
     UpstreamTimeout,
 )
 from gateway.periodic import Periodic
+from gateway.upstream import discovery
+from gateway.upstream.discovery import DiscoveredBackends
 
 log = logging.getLogger(__name__)
 
@@ -241,10 +243,62 @@ class BackendPool:
         self.settings = settings
         self.session = new_session(settings)
         self.fresh_session = new_session(settings, pooled=False)
-        self.backends = [Backend(b, self.session, self.fresh_session) for b in settings.backends]
+        self.backends = [
+            Backend(b, self.session, self.fresh_session)
+            for b in settings.backends
+            if not b.discover
+        ]
+        #: Backends found by DNS (``discover: true``), each address in its slot.
+        self.discovered = [DiscoveredBackends(b) for b in settings.backends if b.discover]
+        self._members: dict[tuple[int, str], Backend] = {}
+        #: Called with a departed backend's name once it has left the pool.
+        self.on_departed: list[Callable[[str], None]] = []
+        self._index()
+        self._health = Periodic(settings.health_interval_s, self.check_all, "health check")
+        self._discovery = Periodic(settings.discovery_interval_s, self.discover, "discovery")
+
+    def _index(self) -> None:
         self.primaries = [b for b in self.backends if b.settings.role is BackendRole.PRIMARY]
         self.fixed = next((b for b in self.backends if b.settings.role is BackendRole.FIXED), None)
-        self._health = Periodic(settings.health_interval_s, self.check_all, "health check")
+
+    @property
+    def conversation_affine(self) -> bool:
+        """Several primaries: first attempts follow the conversation (rendezvous)."""
+        return self.settings.conversation_affinity and len(self.primaries) > 1
+
+    async def discover(self) -> None:
+        """Resolve every ``discover: true`` backend's name again: new addresses join
+        (probed first), departed ones leave; a name that does not resolve keeps its set."""
+        for group, found in enumerate(self.discovered):
+            change = await found.resolve(discovery.resolve_addresses)
+            if change is None:
+                continue
+            joined, departed = change
+            departed_names = []
+            for address in departed:
+                backend = self._members.pop((group, address))
+                departed_names.append(backend.name)
+                backend.healthy = False  # requests under way finish; no new ones
+                self.backends.remove(backend)
+                log.warning("backend %s (%s) left: its address is gone", backend.name, address)
+            timeout = self.settings.timeouts.connect_s * 2
+            for address, slot in joined.items():
+                backend = Backend(
+                    found.backend_settings(address, slot), self.session, self.fresh_session
+                )
+                backend.healthy = await backend.probe_health(timeout)
+                self._members[(group, address)] = backend
+                self.backends.append(backend)
+                state = "healthy" if backend.healthy else "not healthy yet"
+                log.warning(
+                    "backend %s (%s) joined from %s (%s)", backend.name, address, found.host, state
+                )
+            self._index()
+            taken = {b.name for b in self.backends}
+            for name in departed_names:
+                if name not in taken:  # a slot taken again keeps its series
+                    for hook in self.on_departed:
+                        hook(name)
 
     @property
     def names(self) -> list[str]:
@@ -340,8 +394,11 @@ class BackendPool:
 
     def start(self) -> None:
         self._health.start()
+        if self.discovered:
+            self._discovery.start()
 
     async def stop(self) -> None:
+        await self._discovery.stop()
         await self._health.stop()
         await self.session.close()
         await self.fresh_session.close()

@@ -80,9 +80,9 @@ class BackendScraper:
         self.pool = pool
         self.metrics = metrics
         self.settings = settings
-        self._last: dict[str, PrefixCacheCounters] = {}
-        self._versions: dict[str, str] = {}
-        self._fix_status: dict[str, str] = {}
+        self._last: dict[tuple[str, str], PrefixCacheCounters] = {}
+        self._versions: dict[tuple[str, str], str] = {}
+        self._fix_status: dict[tuple[str, str], str] = {}
         self._periodic = Periodic(
             settings.metrics_scrape_interval_s, self.scrape_once, "backend scrape"
         )
@@ -103,19 +103,19 @@ class BackendScraper:
         if text is not None:
             counters = parse_prefix_cache(text)
             if counters is not None:
-                ratio = hit_ratio(self._last.get(backend.name), counters)
-                self._last[backend.name] = counters
+                ratio = hit_ratio(self._last.get(_key(backend)), counters)
+                self._last[_key(backend)] = counters
                 if ratio is not None:
                     self.metrics.backend_hit_ratio.labels(backend.name).set(ratio)
             self._record_fix_status(backend, parse_fix_status(text))
-        if backend.name not in self._versions:
+        if _key(backend) not in self._versions:
             await self._learn_identity(backend)
 
     def _record_fix_status(self, backend: Backend, status: str) -> None:
-        previous = self._fix_status.get(backend.name)
+        previous = self._fix_status.get(_key(backend))
         if status == previous:
             return
-        self._fix_status[backend.name] = status
+        self._fix_status[_key(backend)] = status
         for other in FIX_STATUSES:  # one status per backend at a time
             self.metrics.backend_fix_info.labels(backend.name, backend.settings.role, other).set(
                 1 if other == status else 0
@@ -140,17 +140,25 @@ class BackendScraper:
             with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
                 version = orjson.loads(version_body).get("version")
                 if isinstance(version, str) and len(version) <= 64:
-                    self._versions[backend.name] = version
+                    self._versions[_key(backend)] = version
                     self.metrics.backend_info.labels(backend.name, version).set(1)
 
     async def scrape_once(self) -> None:
         await asyncio.gather(*(self._scrape(b) for b in self.pool.backends))
 
     def version_of(self, backend: str) -> str | None:
-        return self._versions.get(backend)
+        """The vLLM version the named backend (as it is now in the pool) reported."""
+        current = next((b for b in self.pool.backends if b.name == backend), None)
+        return self._versions.get(_key(current)) if current is not None else None
 
     def start(self) -> None:
         self._periodic.start()
 
     async def stop(self) -> None:
         await self._periodic.stop()
+
+
+def _key(backend: Backend) -> tuple[str, str]:
+    """What the scrape remembers a backend by: its name and URL, so a discovered slot
+    taken by a new pod starts afresh (its counters, version and fix status)."""
+    return backend.name, backend.url

@@ -37,7 +37,7 @@ def run(*command: str, cwd: Path = ROOT) -> str:
 def test_promtool_config_rules_and_rule_tests() -> None:
     prom = DEPLOY / "prometheus"
     assert "SUCCESS" in run("promtool", "check", "config", "prometheus.yml", cwd=prom)
-    assert "12 rules found" in run("promtool", "check", "rules", "alerts.yml", cwd=prom)
+    assert "13 rules found" in run("promtool", "check", "rules", "alerts.yml", cwd=prom)
     assert "SUCCESS" in run("promtool", "test", "rules", "alerts_test.yml", cwd=prom)
 
 
@@ -48,7 +48,7 @@ def test_prometheusrule_carries_the_tested_rules(tmp_path: Path) -> None:
     assert resource["spec"] == yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     rules = tmp_path / "rules.yml"
     rules.write_text(yaml.safe_dump(resource["spec"]))
-    assert "12 rules found" in run("promtool", "check", "rules", str(rules))
+    assert "13 rules found" in run("promtool", "check", "rules", str(rules))
 
 
 def test_the_kustomize_base_carries_the_tested_dashboard() -> None:
@@ -76,7 +76,7 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
 def test_kustomize_base_renders_and_validates(tmp_path: Path) -> None:
     objects = kustomize(K8S_BASE)
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == sorted(["ConfigMap", "ConfigMap", "Deployment", "Service",
+    assert kinds == sorted(["ConfigMap", "ConfigMap", "Deployment", "Service", "Service",
                             "HorizontalPodAutoscaler", "PodDisruptionBudget", "ServiceMonitor",
                             "PrometheusRule"])  # fmt: skip
     core = [o for o in objects if o["kind"] not in ("ServiceMonitor", "PrometheusRule")]
@@ -86,6 +86,7 @@ def test_kustomize_base_renders_and_validates(tmp_path: Path) -> None:
     for kind in ("deployment", "service", "horizontalpodautoscaler", "poddisruptionbudget",
                  "configmap"):  # fmt: skip
         assert f"passed for resource {kind}/vllm-guard" in output
+    assert "passed for resource service/vllm-headless" in output
 
 
 def test_kustomize_overlay_labels_the_monitoring_objects_for_kube_prometheus_stack() -> None:
@@ -97,7 +98,8 @@ def test_kustomize_overlay_labels_the_monitoring_objects_for_kube_prometheus_sta
 
 def test_k8s_objects_fit_together() -> None:
     objects = kustomize(K8S_BASE)
-    docs = {o["kind"]: o for o in objects if o["kind"] != "ConfigMap"}
+    headless = next(o for o in objects if o["metadata"]["name"] == "vllm-headless")
+    docs = {o["kind"]: o for o in objects if o["kind"] != "ConfigMap" and o is not headless}
     config_maps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap"}
     deployment = docs["Deployment"]
     pod = deployment["spec"]["template"]
@@ -123,6 +125,11 @@ def test_k8s_objects_fit_together() -> None:
     assert config_name in config_maps
     config_text = config_maps[config_name]["data"]["vllm-guard.yaml"]
     config = yaml.safe_load(config_text)
+    # The backends point at the headless Service, each pod found by DNS.
+    assert headless["spec"]["clusterIP"] == "None"
+    (discovered,) = [b for b in config["upstream"]["backends"] if b.get("discover")]
+    host = discovered["url"].split("//")[1].split(":")[0]
+    assert host.startswith(f"{headless['metadata']['name']}.{headless['metadata']['namespace']}.")
     grace = config["server"]["shutdown_grace_s"]
     pre_stop = 5  # the preStop pause
     assert pod["spec"]["terminationGracePeriodSeconds"] >= pre_stop + grace + 5
@@ -168,7 +175,10 @@ def test_compose_stack_is_coherent() -> None:
 
 def substitute(expr: str, model: str, backend: str) -> str:
     return (
-        expr.replace("$model", model)
+        expr.replace("$namespace", ".*")  # the test's Prometheus adds no namespace label
+        .replace("$job", "vllm-guard")  # Grafana's All: the gateways' jobs only
+        .replace("$instance", ".*")
+        .replace("$model", model)
         .replace("$backend", backend)
         .replace("$__rate_interval", "5m")
         .replace("$__range", "10m")
@@ -189,12 +199,13 @@ def test_dashboard_shape() -> None:
     board = dashboard()
     assert board["title"] == "vllm-guard overview"
     names = {v["name"] for v in board["templating"]["list"]}
-    assert {"model", "backend"} <= names
+    assert {"namespace", "job", "instance", "model", "backend"} <= names
     titles = " | ".join(p["title"] for p in board["panels"])
     for needed in ("the bug's rate", "Requests affected", "delivered", "Recovered",
                    "retries refused", "hit rate", "corrupted vs. clean", "Attempts", "latency",
                    "overhead", "first token", "Backend up", "vllm-guard-fix per backend",
-                   "lookups lowered"):  # fmt: skip
+                   "lookups lowered", "recovery ratio", "by verdict", "per gateway pod",
+                   "answered itself", "CPU per", "Memory per"):  # fmt: skip
         assert needed in titles, needed
 
 
@@ -230,6 +241,10 @@ def test_every_dashboard_panel_returns_data(vllm: RunningVLLM, gateway_for: Gate
                 break
         else:
             raise AssertionError("the gateway did not see the client leave")
+        refused = httpx.post(
+            url, content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert refused.status_code == 400  # one the gateway answers itself
         time.sleep(2)
         prom.wait_for_scrape_after(time.time(), "vllm-guard")
         empty = []

@@ -48,12 +48,19 @@ class ThreadedServer:
     (httpx's test conftest does the same: wait for ``started``, never sleep.)"""
 
     def __init__(
-        self, app: Any, port: int | None = None, *, grace_s: int = 5, http: Any = "auto"
+        self,
+        app: Any,
+        port: int | None = None,
+        *,
+        grace_s: int = 5,
+        http: Any = "auto",
+        host: str = "127.0.0.1",
     ) -> None:
         self.app = app
+        self.host = host
         self.port = port or free_port()
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", loop="asyncio",
+            app, host=host, port=self.port, log_level="warning", loop="asyncio",
             lifespan="on", timeout_graceful_shutdown=grace_s, http=http,
         )  # fmt: skip
         self.server = uvicorn.Server(config)
@@ -61,7 +68,7 @@ class ThreadedServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def __enter__(self) -> Any:
         self.thread.start()

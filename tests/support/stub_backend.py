@@ -262,6 +262,6 @@ def build_app(state: StubState) -> Starlette:
 
 
 class StubBackend(ThreadedServer):
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
         self.state = StubState()
-        super().__init__(build_app(self.state), port, grace_s=1)
+        super().__init__(build_app(self.state), port, grace_s=1, host=host)
