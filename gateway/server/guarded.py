@@ -46,7 +46,8 @@ def guarded_handler(settings: Settings, runtime: Callable[[], Runtime]) -> Guard
     drop = _ALWAYS_DROPPED | (CLIENT_KEY_HEADERS if keys_on else frozenset())
     lead_messages = settings.guard.salt_reuse.fingerprint_messages
     max_body = settings.server.max_body_bytes
-    api_key = settings.upstream.api_key
+    secret = settings.upstream.api_key
+    api_key = secret.get_secret_value() if secret is not None else None
 
     async def guarded(scope: Scope, receive: Receive, api: ApiAdapter) -> Response:
         started = time.perf_counter()

@@ -26,6 +26,8 @@ ProxyRoute = Callable[[Request, str], Awaitable[Response]]
 
 def unguarded_proxy(settings: Settings, runtime: Callable[[Request], Runtime]) -> ProxyRoute:
     drop = CLIENT_KEY_HEADERS if settings.auth.api_key_sha256 else frozenset()
+    secret = settings.upstream.api_key
+    api_key = secret.get_secret_value() if secret is not None else None
     max_body = settings.server.max_body_bytes
 
     async def proxy(request: Request, path: str) -> Response:
@@ -48,7 +50,7 @@ def unguarded_proxy(settings: Settings, runtime: Callable[[Request], Runtime]) -
             headers = forward_headers(
                 request.headers.raw,
                 request_id=request_id,
-                api_key=settings.upstream.api_key,
+                api_key=api_key,
                 drop=drop,
             )
             upstream = await backend.open(

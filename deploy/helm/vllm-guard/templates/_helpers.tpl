@@ -1,0 +1,33 @@
+{{- define "vllm-guard.name" -}}vllm-guard{{- end -}}
+
+{{- define "vllm-guard.fullname" -}}
+{{- if contains "vllm-guard" .Release.Name -}}{{ .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else -}}{{ printf "%s-vllm-guard" .Release.Name | trunc 63 | trimSuffix "-" }}{{- end -}}
+{{- end -}}
+
+{{- define "vllm-guard.selectorLabels" -}}
+app.kubernetes.io/name: vllm-guard
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "vllm-guard.labels" -}}
+{{ include "vllm-guard.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "vllm-guard.saltKeySecret" -}}
+{{- .Values.saltKey.existingSecret | default (printf "%s-salt-key" (include "vllm-guard.fullname" .)) -}}
+{{- end -}}
+
+{{- define "vllm-guard.config" -}}
+{{- $config := deepCopy .Values.config -}}
+{{- $server := get $config "server" | default dict -}}
+{{- $_ := set $server "shutdown_grace_s" .Values.shutdownGraceSeconds -}}
+{{- $_ := set $config "server" $server -}}
+{{- if .Values.clientKeySha256 -}}
+{{- $_ := set $config "auth" (dict "api_key_sha256" .Values.clientKeySha256) -}}
+{{- end -}}
+{{- toYaml $config -}}
+{{- end -}}

@@ -1,0 +1,143 @@
+"""The Helm chart (deploy/helm/vllm-guard) checked by the real tools: ``helm lint``,
+``helm template`` through ``kubernetes-validate``, the chart's values schema, and
+the rendered gateway config through ``vllm-guard check-config``. The chart and the
+kustomize base describe the same pod: a test compares them, so neither drifts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "vllm-guard"
+BIN = Path(sys.executable).parent
+#: ``make helm`` installs it here (the test command runs that first).
+HELM = os.environ.get("HELM") or str(Path.home() / ".cache" / "vllm-guard" / "bin" / "helm")
+MONITORING = ["--set", "serviceMonitor.enabled=true", "--set", "prometheusRule.enabled=true"]
+
+
+def run(*command: str, expect_ok: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    if expect_ok:
+        assert done.returncode == 0, f"{' '.join(command)}\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def template(*values: str) -> list[dict[str, Any]]:
+    out = run(HELM, "template", "prod", str(CHART), "--namespace", "llm", *values).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def one(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    (found,) = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    return found
+
+
+def kustomized() -> list[dict[str, Any]]:
+    out = run("kubectl", "kustomize", str(ROOT / "deploy" / "k8s" / "base")).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_the_chart_lints_renders_and_validates(tmp_path: Path) -> None:
+    run(HELM, "lint", "--strict", str(CHART))
+    objects = template(*MONITORING)
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == sorted(["ConfigMap", "ConfigMap", "ConfigMap", "Secret", "Service",
+                            "Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget",
+                            "ServiceMonitor", "PrometheusRule"])  # fmt: skip
+    core = [o for o in objects if o["kind"] not in ("ServiceMonitor", "PrometheusRule")]
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(yaml.safe_dump_all(core))
+    output = run(str(BIN / "kubernetes-validate"), "--strict", str(rendered)).stdout
+    for kind in ("deployment", "service", "horizontalpodautoscaler", "poddisruptionbudget",
+                 "configmap", "secret"):  # fmt: skip
+        assert f"passed for resource {kind}/prod-vllm-guard" in output
+    config = tmp_path / "vllm-guard.yaml"
+    config.write_text(one(objects, "ConfigMap", "prod-vllm-guard")["data"]["vllm-guard.yaml"])
+    checked = run(str(BIN / "vllm-guard"), "check-config", str(config)).stdout
+    assert "OK" in checked
+
+
+def test_monitoring_objects_carry_the_release_label_and_the_tested_rules() -> None:
+    base = "https://runbooks.example/vllm-guard.md"
+    objects = template(*MONITORING, "--set", f"prometheusRule.runbookBase={base}")
+    for kind in ("ServiceMonitor", "PrometheusRule"):
+        assert one(objects, kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    rules = one(objects, "PrometheusRule")["spec"]
+    tested = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    default_base = "https://github.com/vllm-guard/vllm-guard/blob/main/deploy/RUNBOOK.md"
+    assert yaml.safe_dump(rules) == yaml.safe_dump(tested).replace(default_base, base)
+    dashboards = [o for o in objects if o["kind"] == "ConfigMap" and "overview" in str(o["data"])]
+    assert len(dashboards) == 2
+    assert all(d["metadata"]["labels"]["grafana_dashboard"] == "1" for d in dashboards)
+    off = template()
+    assert not [o for o in off if o["kind"] in ("ServiceMonitor", "PrometheusRule")]
+
+
+@pytest.mark.parametrize(
+    ("value", "complaint"),
+    [
+        ("autoscaling.minReplicas=two", "autoscaling.minReplicas"),
+        ("clientKeySha256={not-a-digest}", "clientKeySha256.0"),
+        ("prometheusRule.runbookBase=RUNBOOK.md", "prometheusRule.runbookBase"),
+        ("replicas=3", "Additional property replicas"),
+    ],
+)
+def test_the_values_schema_refuses_bad_values(value: str, complaint: str) -> None:
+    done = run(HELM, "template", "prod", str(CHART), "--set", value, expect_ok=False)
+    assert done.returncode != 0
+    assert complaint in done.stderr
+
+
+def test_secrets_are_wired_from_existing_secrets() -> None:
+    objects = template(
+        "--set", "saltKey.existingSecret=my-salt",
+        "--set", "upstreamApiKey.existingSecret=vllm-key",
+        "--set", "redis.existingSecret=my-redis",
+    )  # fmt: skip
+    assert not [o for o in objects if o["kind"] == "Secret"]  # none generated
+    env = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in env if "valueFrom" in e}
+    assert refs == {
+        "VLLM_GUARD_GUARD__SALT_REUSE__KEY": "my-salt",
+        "VLLM_GUARD_UPSTREAM__API_KEY": "vllm-key",
+        "VLLM_GUARD_STATE__REDIS_URL": "my-redis",
+    }
+
+
+def test_the_chart_and_the_kustomize_base_describe_the_same_pod() -> None:
+    """One pod spec, two packagings: everything but names, labels and the image's
+    registry must match (the chart's files are the tested copies, too)."""
+    chart = template()
+    base = kustomized()
+    chart_pod = one(chart, "Deployment")["spec"]["template"]["spec"]
+    base_pod = one(base, "Deployment")["spec"]["template"]["spec"]
+    for key in ("terminationGracePeriodSeconds", "automountServiceAccountToken",
+                "securityContext"):  # fmt: skip
+        assert chart_pod[key] == base_pod[key], key
+    (chart_container,) = chart_pod["containers"]
+    (base_container,) = base_pod["containers"]
+    for key in ("args", "ports", "readinessProbe", "livenessProbe", "startupProbe",
+                "lifecycle", "resources", "securityContext", "volumeMounts"):  # fmt: skip
+        assert chart_container[key] == base_container[key], key
+    names = lambda env: [e["name"] for e in env]  # noqa: E731
+    assert (
+        names(chart_container["env"]) == names(base_container["env"])[: len(chart_container["env"])]
+    )
+    chart_config = yaml.safe_load(
+        one(chart, "ConfigMap", "prod-vllm-guard")["data"]["vllm-guard.yaml"]
+    )
+    (base_map,) = [o for o in base if o["kind"] == "ConfigMap" and "vllm-guard.yaml" in o["data"]]
+    base_config = yaml.safe_load(base_map["data"]["vllm-guard.yaml"])
+    assert chart_config["upstream"] == base_config["upstream"]
+    assert chart_config["server"]["shutdown_grace_s"] == base_config["server"]["shutdown_grace_s"]
+    for copy, tested in (("alerts.yml", "prometheus/alerts.yml"),
+                         ("vllm-guard-overview.json", "grafana/vllm-guard-overview.json"),
+                         ("vllm-overview.json", "grafana/vllm-overview.json")):  # fmt: skip
+        assert (CHART / "files" / copy).read_text() == (ROOT / "deploy" / tested).read_text()
