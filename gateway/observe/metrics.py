@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import math
 import os
 from collections.abc import Iterable
 from typing import Self
@@ -318,9 +319,11 @@ class Metrics:
 
     def forget_backend(self, name: str) -> None:
         """A discovered backend left (its slot is free): its per-backend gauges go, so
-        that a gone pod is neither shown up nor alerted on as down. (In multiprocess
-        mode a gauge's file keeps its last value until the slot is taken again.)"""
+        that a gone pod is neither shown up nor alerted on as down. In multiprocess
+        mode a gauge's file outlives ``remove``: the value left there is NaN, which
+        no ``== 0`` alert matches, until the slot is taken again."""
         for gauge in (self.backend_up, self.backend_hit_ratio):
+            gauge.labels(name).set(math.nan)
             with contextlib.suppress(KeyError):
                 gauge.remove(name)
             getattr(gauge, "_remembered", {}).pop((name,), None)

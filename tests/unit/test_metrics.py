@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.observe.metrics import DURATION_BUCKETS, Counter, Histogram, LiveGauge
+from gateway.observe.metrics import DURATION_BUCKETS, Counter, Histogram, LiveGauge, Metrics
 
 BOUNDS = [float(b) for b in DURATION_BUCKETS]
 
@@ -67,3 +67,19 @@ def exposition(registry: CollectorRegistry) -> list[str]:
     """The samples, without the creation timestamps (when each histogram was made)."""
     text = generate_latest(registry).decode()
     return [line for line in text.splitlines() if "_created" not in line]
+
+
+def test_a_departed_backend_leaves_no_gauge_behind() -> None:
+    """A discovered pod that left is not shown up, nor alerted on as down; its slot,
+    taken again, reports afresh."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, models=["m"], backends=["vllm-0", "vllm-1"])
+    for name in ("vllm-0", "vllm-1"):
+        metrics.backend_up.labels(name).set(0)
+        metrics.backend_hit_ratio.labels(name).set(0.5)
+    metrics.forget_backend("vllm-1")
+    text = generate_latest(registry).decode()
+    assert 'backend="vllm-0"' in text
+    assert 'backend="vllm-1"' not in text
+    metrics.backend_up.labels("vllm-1").set(1)
+    assert 'vllm_guard_backend_up{backend="vllm-1"} 1.0' in generate_latest(registry).decode()
