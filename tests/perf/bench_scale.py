@@ -148,7 +148,7 @@ def main() -> None:
             "gateway, 1 worker (default)": {"guard": {"salt_reuse": {"key": KEY}}},
             "gateway, --workers 2, shared key": {
                 "guard": {"salt_reuse": {"key": KEY}}, "server": {"workers": 2}},
-            "gateway, --workers 2, no key (per-process ladders)": {"server": {"workers": 2}},
+            "gateway, --workers 2, no key (the parent draws one)": {"server": {"workers": 2}},
             "gateway, --workers 2, shared key, Redis": {
                 "guard": {"salt_reuse": {"key": KEY}}, "server": {"workers": 2},
                 "state": shared},
