@@ -101,3 +101,37 @@ def test_without_a_conversation_the_choice_is_weighted_random() -> None:
         assert set(counts) == {"a", "b", "c"}
 
     with_pool(THREE, check)
+
+
+def test_discovered_addresses_take_the_lowest_free_slots() -> None:
+    """Each address of a ``discover: true`` backend is a backend ``<name>-<slot>``: a
+    departed address frees its slot, the next new one takes it; IPv6 addresses are
+    bracketed in the URL; beyond ``max_replicas`` addresses are left out."""
+    from gateway.config import BackendSettings
+    from gateway.upstream.discovery import DiscoveredBackends
+
+    settings = BackendSettings(
+        name="vllm", url="http://pods.test:8000/", discover=True, max_replicas=3
+    )
+    found = DiscoveredBackends(settings)
+    answers = iter(
+        [["10.0.0.1", "10.0.0.2"], ["10.0.0.2"], ["10.0.0.2", "fd00::7", "10.0.0.9", "10.0.0.8"]]
+    )
+
+    async def resolver(host: str, port: int) -> list[str]:
+        assert (host, port) == ("pods.test", 8000)
+        return next(answers)
+
+    async def run() -> list[Any]:
+        return [await found.resolve(resolver) for _ in range(3)]
+
+    first, second, third = asyncio.run(run())
+    assert first == ({"10.0.0.1": 0, "10.0.0.2": 1}, [])
+    assert second == ({}, ["10.0.0.1"])
+    assert third == ({"fd00::7": 0, "10.0.0.9": 2}, [])  # 10.0.0.8: no slot left
+    backend = found.backend_settings("fd00::7", 0)
+    assert (backend.name, backend.url, backend.discover) == (
+        "vllm-0",
+        "http://[fd00::7]:8000",
+        False,
+    )
