@@ -52,6 +52,8 @@ class DiscoveredBackends:
         #: address -> slot
         self.slots: dict[str, int] = {}
         self._failing = False
+        #: Addresses beyond max_replicas at the last resolution (warned on a change).
+        self._left_out = 0
 
     def backend_settings(self, address: str, slot: int) -> BackendSettings:
         host = f"[{address}]" if ":" in address else address
@@ -90,10 +92,14 @@ class DiscoveredBackends:
                 continue
             slot = next(free, None)
             if slot is None:
-                log.warning(
-                    "backend %s: %s has more than max_replicas=%d addresses; %s left out",
-                    self.settings.name, self.host, self.settings.max_replicas, address,
-                )  # fmt: skip
-                break
+                left_out = len(addresses) - len(self.slots)
+                if left_out != self._left_out:  # said once per change, not per refresh
+                    log.warning(
+                        "backend %s: %s has more than max_replicas=%d addresses; %d left out",
+                        self.settings.name, self.host, self.settings.max_replicas, left_out,
+                    )  # fmt: skip
+                self._left_out = left_out
+                return joined, departed
             self.slots[address] = joined[address] = slot
+        self._left_out = 0
         return joined, departed
