@@ -331,7 +331,13 @@ def test_a_client_that_leaves_mid_attempt_frees_the_backend() -> None:
         script.answers.append(slow)
         async with guard_with(script) as guard:
             work = asyncio.ensure_future(handle(guard, stream=True))
-            await asyncio.sleep(0.3)  # held back: the stream is still being judged
+            # Held back while it runs (4 s of whitespace): wait until the attempt is on.
+            for _ in range(500):
+                if guard.pool.backends[0].in_flight == 1 and script.received:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            assert not work.done()
             assert guard.pool.backends[0].in_flight == 1
             work.cancel()
             with pytest.raises(asyncio.CancelledError):
