@@ -14,12 +14,12 @@ generators.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from gateway.guard.answer import Answer, ChunkSender, ChunkWriter, StreamedAnswer, WholeAnswer
+from gateway.guard.answer import Answer, ChunkWriter, StreamedAnswer, WholeAnswer
 
 
 def body_frame(chunk: bytes) -> Message:
@@ -163,48 +163,29 @@ class ClientWatch:
 
 
 class RelayResponse(Response):
-    def __init__(
-        self,
-        pump: Callable[[ChunkSender, BodyWriter], Awaitable[bytes]],
-        *,
-        body_ready: bool = False,
-        status_code: int = 200,
-        raw_headers: Sequence[tuple[bytes, bytes]] = (),
-        media_type: str | None = None,
-        after_complete: Callable[[], Awaitable[None]] | None = None,
-        on_close: Callable[[], None] | None = None,
-        on_client_gone: Callable[[], None] | None = None,
-    ) -> None:
-        #: Sends the body's chunks: each through the BodyWriter, or where it says
-        #: False through the ChunkSender (a ``body_frame`` through send()). Returns
-        #: the body's last bytes, which go out with its end in one write (``b""``:
-        #: none kept back).
-        self.pump = pump
-        #: The pump writes its first bytes without waiting: the head goes with them.
-        self.body_ready = body_ready
-        #: Awaited once the client has the whole response (not after a disconnect).
-        self.after_complete = after_complete
-        #: Runs at the end whatever happened, even if ``pump`` never started.
-        self.on_close = on_close
-        #: Runs once, before the relay is cancelled, when the client disconnects.
-        self.on_client_gone = on_client_gone
-        #: The request's ClientWatch, when one was watching already (else our own).
-        self.watch: ClientWatch | None = None
+    """The ASGI response that relays a guard's streamed answer (``StreamedAnswer``
+    says what each of its parts does)."""
+
+    def __init__(self, answer: StreamedAnswer, watch: ClientWatch | None = None) -> None:
+        self.answer = answer
+        #: The request's ClientWatch, which this response takes over (else its own).
+        self.watch = watch
         # Starlette's own initialisation (status, media type, background; its headers
         # are replaced below): a subclass that skipped it would break silently when
         # a Starlette release adds an attribute there.
-        super().__init__(None, status_code, media_type=media_type)
+        super().__init__(None, answer.status, media_type=answer.media_type)
         # Raw pairs, so repeated headers (Set-Cookie, Vary) survive.
-        self.raw_headers = list(raw_headers)
-        if media_type is not None and not any(k == b"content-type" for k, _ in raw_headers):
-            self.raw_headers.append((b"content-type", media_type.encode("latin-1")))
+        self.raw_headers = list(answer.headers)
+        if not any(k == b"content-type" for k, _ in answer.headers):
+            self.raw_headers.append((b"content-type", answer.media_type.encode("latin-1")))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        answer = self.answer
         watch = self.watch or ClientWatch(scope, receive)
-        watch.on_gone = self.on_client_gone
+        watch.on_gone = answer.on_client_gone
         hooks = server_hooks(scope)
         try:
-            if self.body_ready and hooks is not None:
+            if answer.body_ready and hooks is not None:
                 hooks.hold_head()
             await send(
                 {
@@ -217,7 +198,9 @@ class RelayResponse(Response):
             async def send_chunk(chunk: bytes) -> None:
                 await send(body_frame(chunk))
 
-            last = await self.pump(send_chunk, never_direct if hooks is None else hooks.write_body)
+            last = await answer.relay(
+                send_chunk, never_direct if hooks is None else hooks.write_body
+            )
             if hooks is None:
                 # A pump that found every chunk already buffered never waited, so a
                 # client that left meanwhile (the server drops sends to a closed
@@ -228,33 +211,14 @@ class RelayResponse(Response):
                 await asyncio.sleep(0)
             watch.complete = True
             await send({"type": "http.response.body", "body": last, "more_body": False})
-            if self.after_complete is not None:
-                await self.after_complete()
+            await answer.after_complete()
         except asyncio.CancelledError:
             if not watch.gone:
                 raise  # the server is stopping this request, not the client
             watch.task.uncancel()
         finally:
             watch.close()
-            if self.on_close is not None:
-                self.on_close()
-
-    @classmethod
-    def for_answer(cls, answer: StreamedAnswer, watch: ClientWatch | None) -> RelayResponse:
-        """The response that relays a guard's streamed answer (``watch``: the request's
-        ClientWatch, which this response takes over)."""
-        response = cls(
-            answer.relay,
-            body_ready=answer.body_ready,
-            status_code=answer.status,
-            raw_headers=answer.headers,
-            media_type=answer.media_type,
-            after_complete=answer.after_complete,
-            on_close=answer.on_close,
-            on_client_gone=answer.on_client_gone,
-        )
-        response.watch = watch
-        return response
+            answer.on_close()
 
 
 def answer_response(answer: Answer, watch: ClientWatch | None = None) -> Response:
@@ -263,4 +227,4 @@ def answer_response(answer: Answer, watch: ClientWatch | None = None) -> Respons
         response = Response(answer.body, status_code=answer.status)
         response.raw_headers.extend(answer.headers)
         return response
-    return RelayResponse.for_answer(answer, watch)
+    return RelayResponse(answer, watch)

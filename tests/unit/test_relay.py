@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from starlette.types import Message
 
-from gateway.guard.answer import ChunkSender
+from gateway.guard.answer import ChunkSender, StreamedAnswer
 from gateway.server.relay import BodyWriter, RelayResponse
 
 
@@ -51,11 +51,18 @@ def relay_of(
             await send(chunk)
         return b""
 
+    async def nothing_after() -> None:
+        return None
+
     relay = RelayResponse(
-        pump,
-        media_type="text/event-stream",
-        on_close=lambda: events.append("closed"),
-        on_client_gone=lambda: events.append("client gone"),
+        StreamedAnswer(
+            headers=[],
+            relay=pump,
+            body_ready=False,
+            after_complete=nothing_after,
+            on_close=lambda: events.append("closed"),
+            on_client_gone=lambda: events.append("client gone"),
+        )
     )
     return relay, events
 
