@@ -510,8 +510,11 @@ def _settings_class(file_data: dict[str, Any]) -> type[Settings]:
             dotenv_settings: PydanticBaseSettingsSource,
             file_secret_settings: PydanticBaseSettingsSource,
         ) -> tuple[PydanticBaseSettingsSource, ...]:
-            environment = _EnvironmentSource(settings_cls)
-            return init_settings, environment, InitSettingsSource(settings_cls, file_data)
+            # Settings' own sources (the arguments, then the environment), then the file.
+            own = super().settings_customise_sources(
+                settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+            )
+            return (*own, InitSettingsSource(settings_cls, file_data))
 
     return _Loaded
 

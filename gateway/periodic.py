@@ -50,26 +50,23 @@ class Sweep(Generic[T]):
         self.period = period
         self.check = check
         self.items: set[T] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        #: The event loop whose clock ``check`` is given (set when an item is added).
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
 
     def add(self, item: T) -> None:
         self.items.add(item)
         if self._timer is None:
-            self._loop = asyncio.get_running_loop()
-            self._timer = self._loop.call_later(self.period, self._sweep)
+            self.loop = asyncio.get_running_loop()
+            self._timer = self.loop.call_later(self.period, self._sweep)
 
     def discard(self, item: T) -> None:
         self.items.discard(item)
 
-    def now(self) -> float:
-        """The clock ``check`` is given (the event loop's, once an item was added)."""
-        return self._loop.time() if self._loop is not None else asyncio.get_running_loop().time()
-
     def _sweep(self) -> None:
-        assert self._loop is not None
-        now = self._loop.time()
+        assert self.loop is not None
+        now = self.loop.time()
         for item in list(self.items):
             if self.check(item, now):
                 self.items.discard(item)
-        self._timer = self._loop.call_later(self.period, self._sweep) if self.items else None
+        self._timer = self.loop.call_later(self.period, self._sweep) if self.items else None

@@ -43,12 +43,13 @@ class StallWatch(Sweep["StreamState"]):
         super().__init__(min(stall_s / 4, 1.0), self._silent_too_long)
         self.stall_s = stall_s
         #: The event loop's clock (its ``time``), once a stream was added: read on
-        #: every network read, so a bound method, not ``Sweep.now``.
+        #: every network read, so kept as the bound method.
         self.clock: Callable[[], float] = time.monotonic
 
     def add(self, item: StreamState) -> None:
         super().add(item)
-        self.clock = asyncio.get_running_loop().time
+        assert self.loop is not None
+        self.clock = self.loop.time
 
     def _silent_too_long(self, stream: StreamState, now: float) -> bool:
         if stream.response.closed:

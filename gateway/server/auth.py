@@ -18,6 +18,9 @@ from starlette.types import Scope
 from gateway.server.asgi import header_value
 
 _KEY_DIGEST = "vllm_guard.key_digest"
+#: Where a client's key travels. With client keys on, these are the gateway's, never
+#: forwarded to a backend (``upstream.api_key`` is what vLLM sees).
+CLIENT_KEY_HEADERS = frozenset({"authorization", "x-api-key"})
 
 
 def hash_key(key: str) -> str:

@@ -27,18 +27,16 @@ from gateway.server.asgi import (
     read_body,
     set_request_id,
 )
-from gateway.server.auth import client_identity
+from gateway.server.auth import CLIENT_KEY_HEADERS, client_identity
 from gateway.server.lifespan import Runtime
 from gateway.server.relay import ClientGone, ClientWatch, answer_response
 from gateway.upstream.pool import forward_headers
 
 GuardedHandler = Callable[[Scope, Receive, ApiAdapter], Awaitable[Response]]
 
-#: What is never forwarded to vLLM on a guarded request: the client's compression
-#: preference (the guard reads the body), and with client keys on, the client's key
-#: (it is the gateway's, never the backend's).
+#: Never forwarded to vLLM on a guarded request: the client's compression
+#: preference (the guard reads the body); with client keys on, also the client's key.
 _ALWAYS_DROPPED = frozenset({"accept-encoding"})
-CLIENT_KEY_HEADERS = frozenset({"authorization", "x-api-key"})
 
 
 def guarded_handler(settings: Settings, runtime: Callable[[], Runtime]) -> GuardedHandler:
@@ -46,8 +44,7 @@ def guarded_handler(settings: Settings, runtime: Callable[[], Runtime]) -> Guard
     drop = _ALWAYS_DROPPED | (CLIENT_KEY_HEADERS if keys_on else frozenset())
     lead_messages = settings.guard.salt_reuse.fingerprint_messages
     max_body = settings.server.max_body_bytes
-    secret = settings.upstream.api_key
-    api_key = secret.get_secret_value() if secret is not None else None
+    api_key = settings.upstream.api_key
 
     async def guarded(scope: Scope, receive: Receive, api: ApiAdapter) -> Response:
         started = time.perf_counter()

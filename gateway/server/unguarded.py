@@ -14,7 +14,7 @@ from gateway.config import Settings
 from gateway.errors import GatewayError
 from gateway.observe import logs
 from gateway.server.asgi import error_response, new_request_id, read_body
-from gateway.server.guarded import CLIENT_KEY_HEADERS
+from gateway.server.auth import CLIENT_KEY_HEADERS
 from gateway.server.lifespan import Runtime
 from gateway.server.paths import stored_answer_id
 from gateway.upstream.pool import forward_headers, map_transport_errors, response_headers
@@ -26,8 +26,6 @@ ProxyRoute = Callable[[Request, str], Awaitable[Response]]
 
 def unguarded_proxy(settings: Settings, runtime: Callable[[Request], Runtime]) -> ProxyRoute:
     drop = CLIENT_KEY_HEADERS if settings.auth.api_key_sha256 else frozenset()
-    secret = settings.upstream.api_key
-    api_key = secret.get_secret_value() if secret is not None else None
     max_body = settings.server.max_body_bytes
 
     async def proxy(request: Request, path: str) -> Response:
@@ -50,7 +48,7 @@ def unguarded_proxy(settings: Settings, runtime: Callable[[Request], Runtime]) -
             headers = forward_headers(
                 request.headers.raw,
                 request_id=request_id,
-                api_key=api_key,
+                api_key=settings.upstream.api_key,
                 drop=drop,
             )
             upstream = await backend.open(

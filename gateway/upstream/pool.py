@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
+from pydantic import SecretStr
 from yarl import URL
 
 from gateway.apis import ADAPTERS
@@ -262,6 +263,12 @@ class BackendPool:
         self.fixed = next((b for b in self.backends if b.settings.role is BackendRole.FIXED), None)
 
     @property
+    def probe_timeout_s(self) -> float:
+        """How long a health probe or metrics scrape of one backend may take: a loaded
+        vLLM can answer /health slowly, so the connect budget twice over."""
+        return self.settings.timeouts.connect_s * 2
+
+    @property
     def conversation_affine(self) -> bool:
         """Several primaries: first attempts follow the conversation (rendezvous)."""
         return self.settings.conversation_affinity and len(self.primaries) > 1
@@ -281,12 +288,11 @@ class BackendPool:
                 backend.healthy = False  # requests under way finish; no new ones
                 self.backends.remove(backend)
                 log.warning("backend %s (%s) left: its address is gone", backend.name, address)
-            timeout = self.settings.timeouts.connect_s * 2
             for address, slot in joined.items():
                 backend = Backend(
                     found.backend_settings(address, slot), self.session, self.fresh_session
                 )
-                backend.healthy = await backend.probe_health(timeout)
+                backend.healthy = await backend.probe_health(self.probe_timeout_s)
                 self._members[(group, address)] = backend
                 self.backends.append(backend)
                 state = "healthy" if backend.healthy else "not healthy yet"
@@ -378,10 +384,9 @@ class BackendPool:
         return rng.choices(healthy, weights=[b.settings.weight for b in healthy])[0]
 
     async def check_all(self, *, initial: bool = False) -> None:
-        # A loaded vLLM can answer /health slowly: give it the connect budget twice
-        # over, and take a backend out only after two failed probes in a row (a
-        # refused connection during a request takes it out at once).
-        timeout = self.settings.timeouts.connect_s * 2
+        # A backend leaves only after two failed probes in a row (a refused
+        # connection during a request takes it out at once).
+        timeout = self.probe_timeout_s
         results = await asyncio.gather(*(b.probe_health(timeout) for b in self.backends))
         for backend, ok in zip(self.backends, results, strict=True):
             if ok:
@@ -426,7 +431,7 @@ def forward_headers(
     incoming: Sequence[tuple[bytes, bytes]],
     *,
     request_id: str,
-    api_key: str | None,
+    api_key: SecretStr | None,
     drop: frozenset[str] = frozenset(),
 ) -> CIMultiDict[str]:
     """Client request headers (the ASGI scope's raw pairs) as the backend should see
@@ -443,8 +448,8 @@ def forward_headers(
         if lower not in skipped:
             out.add(lower.decode("latin-1"), value.decode("latin-1"))
     out["x-request-id"] = request_id
-    if api_key is not None:
-        out["authorization"] = f"Bearer {api_key}"
+    if api_key is not None:  # upstream.api_key: vLLM's key replaces the client's
+        out["authorization"] = f"Bearer {api_key.get_secret_value()}"
     return out
 
 

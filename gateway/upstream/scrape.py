@@ -88,7 +88,7 @@ class BackendScraper:
         )
 
     async def _get(self, backend: Backend, path: str) -> bytes | None:
-        timeout = aiohttp.ClientTimeout(total=self.settings.timeouts.connect_s * 2)
+        timeout = aiohttp.ClientTimeout(total=self.pool.probe_timeout_s)
         try:
             async with backend.fresh_session.get(backend.url + path, timeout=timeout) as response:
                 if response.status != 200:
