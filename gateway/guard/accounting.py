@@ -84,7 +84,11 @@ class Accounting:
         )
 
     def finish(self, trace: Trace, backend: Backend, verdict: str) -> None:
+        """The request's outcome, counted once; its in-flight count given back."""
         trace.unroute()
+        if trace.finished:
+            return
+        trace.finished = True
         request = trace.request
         stream = "true" if request.stream else "false"
         elapsed = time.perf_counter() - trace.started

@@ -137,6 +137,11 @@ class RetryBudget:
             self._clients.move_to_end(client)
         return outcomes
 
+    @property
+    def reserved(self) -> int:
+        """Retries granted against the allowance whose outcome is not in yet."""
+        return self._reserved
+
     def allowance(self) -> float:
         """Useless retries the window may hold while retries are not recovering."""
         s = self.settings

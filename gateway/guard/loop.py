@@ -159,37 +159,53 @@ class Guard:
         self.budget.record_request()
         salt = await self._first_salt(trace)
         backend = self._first_backend(trace, fingerprint)
-        while True:
-            trace.attempts += 1
-            try:
-                attempt = await self._attempt(request, backend, salt, headers, trace)
-            except (BackendUnreachable, UpstreamTimeout, UpstreamProtocolError) as exc:
-                failover = self._after_transport_failure(exc, backend, trace, headers)
-                if failover is None:
-                    raise
-                backend = failover
-                continue
-            except GatewayError:
-                self._settle(trace, recovered=False)
-                self.accounting.finish(trace, backend, "error")
-                raise
-            except BaseException:  # the client left: the retry's outcome is unknown
-                self._settle(trace, recovered=None)
-                trace.unroute()
-                raise
-            self._settle(trace, recovered=attempt.status == 200 and not attempt.verdict.degenerate)
-            if attempt.status != 200 or not attempt.verdict.degenerate:
-                return self._release(attempt, trace)
-            if not self._degenerate_attempt(attempt, trace, headers):
-                return await self._exhausted(attempt, trace)
-            await attempt.discard()
-            if attempt.stream is not None:
-                self.accounting.count_attempt(attempt, trace)
-            self.metrics.retries.labels(trace.model, backend.name, attempt.verdict.kind).inc()
-            salt = self._retry_salt(trace, failed=attempt.salt)
-            backend = self.pool.choose_retry(
-                backend, self.settings.guard.retry_target, self.rng, failover=False
-            )
+        # From here the request holds an in-flight count and, while a retry is under
+        # way, a budget ticket: every exit below gives both back (``_abandon``), and a
+        # streamed answer hands them to its relay (``StreamedAnswer.on_close``).
+        try:
+            while True:
+                trace.attempts += 1
+                trace.route(backend)  # in flight on the pod that serves this attempt
+                try:
+                    attempt = await self._attempt(request, backend, salt, headers, trace)
+                except (BackendUnreachable, UpstreamTimeout, UpstreamProtocolError) as exc:
+                    failover = self._after_transport_failure(exc, backend, trace, headers)
+                    if failover is None:
+                        raise
+                    backend = failover
+                    continue
+                self._settle(
+                    trace, recovered=attempt.status == 200 and not attempt.verdict.degenerate
+                )
+                if attempt.status != 200 or not attempt.verdict.degenerate:
+                    return self._release(attempt, trace)
+                if not self._degenerate_attempt(attempt, trace, headers):
+                    return await self._exhausted(attempt, trace)
+                await attempt.discard()
+                if attempt.stream is not None:
+                    self.accounting.count_attempt(attempt, trace)
+                self.metrics.retries.labels(trace.model, backend.name, attempt.verdict.kind).inc()
+                salt = self._retry_salt(trace, failed=attempt.salt)
+                backend = self.pool.choose_retry(
+                    backend, self.settings.guard.retry_target, self.rng, failover=False
+                )
+        except GatewayError:
+            self._abandon(trace, backend, recovered=False)
+            raise
+        except BaseException:  # the client left: the retry's outcome is unknown
+            self._abandon(trace, backend, recovered=None)
+            raise
+
+    def _abandon(self, trace: Trace, backend: Backend, *, recovered: bool | None) -> None:
+        """The request leaves the loop without an answer to release: its budget ticket
+        settled, its in-flight count given back; a failure (``recovered`` False) is
+        counted as the request's outcome unless it already was (the exhausted policy
+        "error" counts "degenerate"). A client that left is counted by the server."""
+        self._settle(trace, recovered=recovered)
+        if recovered is None:
+            trace.unroute()
+        elif not trace.finished:
+            self.accounting.finish(trace, backend, "error")
 
     def _new_trace(
         self, request: GuardedRequest, started: float, client: str
@@ -229,13 +245,11 @@ class Guard:
 
     def _first_backend(self, trace: Trace, fingerprint: str | None) -> Backend:
         """The backend holding a continued answer's history, else the pool's choice
-        (by conversation when routing is affine); its in-flight count is the request's."""
+        (by conversation when routing is affine)."""
         affinity = fingerprint if self.pool.conversation_affine else None
         backend = self._backend_storing(trace.request) or self.pool.choose_first(
             self.settings.guard.canary_weight, self.rng, affinity=affinity
         )
-        trace.routed = backend
-        backend.in_flight += 1
         return backend
 
     def _after_transport_failure(
@@ -252,7 +266,6 @@ class Guard:
         request_id, endpoint = headers["x-request-id"], trace.request.endpoint
         if failover is None:
             log.warning("request %s (%s) failed: %s (%s)", request_id, endpoint, exc.message, cause)
-            self.accounting.finish(trace, backend, "error")
             return None
         log.warning(
             "attempt %d of %s (%s) failed: %s (%s); failing over to %s",

@@ -33,8 +33,11 @@ class Trace:
     client: str = ""
     #: The budget's grant for the attempt under way, when it is a retry.
     ticket: RetryTicket | None = None
-    #: The backend whose in-flight count this request holds (affinity's bounded load).
+    #: The backend whose in-flight count this request holds (affinity's bounded load):
+    #: the one serving the attempt under way.
     routed: Backend | None = None
+    #: The request's outcome has been counted (``Accounting.finish``).
+    finished: bool = False
     #: The salt ladder's rung of the attempt under way (0: the client's own salt).
     rung: int = 0
     #: Answers are read and judged (guard not off, and the request not unguardable).
@@ -47,6 +50,14 @@ class Trace:
     #: ``perf_counter`` when the latest attempt started: everything before it is the
     #: latency that retries and failovers added.
     attempt_started: float = 0.0
+
+    def route(self, backend: Backend) -> None:
+        """Hold the in-flight count on ``backend``, which serves the next attempt (a
+        retry or failover moves it from the pod that served the last one)."""
+        if self.routed is not backend:
+            self.unroute()
+            backend.in_flight += 1
+            self.routed = backend
 
     def unroute(self) -> None:
         """Give back the in-flight count the request holds on its backend (once)."""
@@ -84,5 +95,7 @@ class Attempt:
 
     async def discard(self) -> None:
         if self.stream is not None:
-            await self.stream.finish_reading()  # a complete stream keeps its connection
-            self.stream.close()
+            try:
+                await self.stream.finish_reading()  # a complete stream keeps its connection
+            finally:  # the client may leave while it is read: the connection is closed
+                self.stream.close()

@@ -358,7 +358,9 @@ class BackendPool:
     def choose_retry(
         self, previous: Backend, target: RetryTarget, rng: random.Random, *, failover: bool
     ) -> Backend:
-        """Backend for the next attempt. A failover avoids the backend that just failed."""
+        """Backend for the next attempt. A failover avoids the backend that just failed;
+        a retry of a degenerate answer stays on the backend that gave it while it is
+        healthy, and goes back to it when no other is (it has just answered)."""
         fixed = self.fixed
         if (
             target is RetryTarget.FIXED
@@ -369,7 +371,12 @@ class BackendPool:
             return fixed
         if not failover and previous.healthy:
             return previous
-        return self._weighted(self.backends, rng, exclude=previous)
+        try:
+            return self._weighted(self.backends, rng, exclude=previous)
+        except NoHealthyBackend:
+            if failover:
+                raise
+            return previous
 
     def _weighted(
         self, candidates: list[Backend], rng: random.Random, exclude: Backend | None

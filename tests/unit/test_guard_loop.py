@@ -346,3 +346,138 @@ def test_a_client_that_leaves_mid_attempt_frees_the_backend() -> None:
             await asyncio.wait_for(script.abandoned.wait(), 5)
 
     asyncio.run(scenario())
+
+
+# -- one owner of a request's life: every exit gives back what the request took --------
+
+
+def answers_stream_held_open(events: list[bytes], open_s: float) -> Any:
+    """A stream that sends every event, ``[DONE]`` included, then keeps its body open
+    (the gateway's discard waits for the body's end, ``StreamState.finish_reading``)."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for event in events:
+            await response.write(event)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(open_s)
+        return response
+
+    return answer
+
+
+#: Retries then reserve part of the allowance until their outcome is in (``reserved``).
+RESERVING_BUDGET = {"min_per_second": 0.0, "ratio": 10.0, "client_share": 1.0}
+
+
+def retries_not_recovering(guard: Guard) -> None:
+    """Recent retries on b0 failed: the next is granted against the allowance."""
+    guard.budget.record_request()
+    for _ in range(5):  # past min_failed (3) for the next seconds, decaying over 10 s
+        ticket = guard.budget.request_retry("b0", "")
+        assert isinstance(ticket, RetryTicket)
+        guard.budget.settle(ticket, recovered=False)
+
+
+def assert_nothing_held(guard: Guard) -> None:
+    assert [b.in_flight for b in guard.pool.backends] == [0] * len(guard.pool.backends)
+    assert guard.budget.reserved == 0
+
+
+def test_a_retry_with_no_other_healthy_backend_goes_back_and_gives_everything_back() -> None:
+    """The backend that answered degenerate was taken out of rotation meanwhile (a
+    health round) and no other is healthy: the retry goes back to it (it has just
+    answered) instead of leaving the loop with NoHealthyBackend, the in-flight count
+    and the budget's reservation held."""
+
+    async def scenario() -> None:
+        script = Script()
+
+        async def degenerate_then_down(request: web.Request) -> web.StreamResponse:
+            guard.pool.backends[0].healthy = False  # a health round, during the attempt
+            return await answers_whole(BANGS)(request)
+
+        script.answers += [degenerate_then_down, answers_whole(CLEAN_TEXT)]
+        async with guard_with(script, budget=RESERVING_BUDGET) as guard:
+            retries_not_recovering(guard)
+            answer = await handle(guard)
+            assert header(answer, "x-vllm-guard-verdict") == "recovered"
+            assert len(script.received) == 2
+            assert_nothing_held(guard)
+            assert metric(guard, "vllm_guard_requests_total", verdict="recovered") == 1
+
+    asyncio.run(scenario())
+
+
+def test_no_healthy_backend_for_a_failover_is_counted_and_gives_everything_back() -> None:
+    async def scenario() -> None:
+        script = Script([answers_whole(CLEAN_TEXT)])
+        async with guard_with(script, backends=0, dead_first=True) as guard:
+            with pytest.raises(BackendUnreachable):
+                await handle(guard)
+            assert_nothing_held(guard)
+            assert metric(guard, "vllm_guard_requests_total", verdict="error") == 1
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("exhausted", [False, True])
+def test_a_client_leaving_while_a_degenerate_stream_is_discarded_gives_everything_back(
+    exhausted: bool,
+) -> None:
+    """The degenerate attempt's stream ended with ``[DONE]`` but its body stays open: the
+    discard waits for the body's end (up to 1 s) and the client leaves meanwhile, while
+    a retry is granted (its budget reservation taken) or, retries exhausted, before the
+    policy "error" answers. The cancellation escapes the discard; the in-flight count,
+    the reservation and the upstream connection are given back all the same."""
+
+    async def scenario() -> None:
+        script = Script()
+        script.answers += [
+            answers_stream_held_open(stream_of(BANGS), 5.0),
+            answers_stream(stream_of(CLEAN_TEXT)),
+        ]
+        guard_settings: dict[str, Any] = {"budget": RESERVING_BUDGET}
+        if exhausted:
+            guard_settings |= {"max_attempts": 1, "on_exhausted": "error"}
+        async with guard_with(script, **guard_settings) as guard:
+            retries_not_recovering(guard)
+            work = asyncio.ensure_future(handle(guard, stream=True))
+            for _ in range(300):
+                if metric(guard, "vllm_guard_degenerate_responses_total") >= 1:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # inside the discard's wait (up to 1 s)
+            assert not work.done()
+            assert guard.budget.reserved == (0 if exhausted else 1)
+            work.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await work
+            assert_nothing_held(guard)
+            assert len(script.received) == 1
+
+    asyncio.run(scenario())
+
+
+def test_in_flight_follows_the_backend_serving_each_attempt() -> None:
+    """A failover's attempt is in flight on the backend that serves it, not on the
+    one the request was first routed to."""
+
+    async def scenario() -> None:
+        seen: list[list[int]] = []
+        script = Script()
+
+        async def clean_noting_in_flight(request: web.Request) -> web.StreamResponse:
+            seen.append([b.in_flight for b in guard.pool.backends])
+            return await answers_whole(CLEAN_TEXT)(request)
+
+        script.answers.append(clean_noting_in_flight)
+        async with guard_with(script, dead_first=True) as guard:
+            guard.pool.choose_first = lambda *a, **k: guard.pool.backends[0]  # type: ignore[method-assign]
+            answer = await handle(guard)
+            assert header(answer, "x-vllm-guard-attempts") == "2"
+            assert seen == [[0, 1]]  # b0 (dead, first routed) gave its count back
+            assert_nothing_held(guard)
+
+    asyncio.run(scenario())
