@@ -10,8 +10,9 @@ and the name is resolved again every ``upstream.discovery_interval_s``:
 * a new address takes the lowest free slot (so the backend label stays a bounded
   set, ``max_replicas`` values), is probed, and joins the pool;
 * a departed address leaves it (requests under way finish); conversation affinity
-  is rendezvous hashing over the slots, so only the conversations of the slot that
-  left move, and they return to whichever pod takes that slot next;
+  is rendezvous hashing over the pods' addresses (``Backend.identity``), never the
+  slots: every replica and worker maps a conversation to the same pod whatever the
+  order it found the pods in, and only the conversations of the pod that left move;
 * a failed resolution (a DNS blip) keeps the current set and is logged once.
 
 ``resolve_addresses`` is the one resolver: the event loop's ``getaddrinfo``. Tests

@@ -118,6 +118,14 @@ class Backend:
     def url(self) -> str:
         return self.settings.url
 
+    @property
+    def identity(self) -> str:
+        """What conversation affinity hashes: the backend's URL, which names the pod
+        (a discovered pod's address) the same in every replica and worker, whatever
+        order each found the pods in. The name is not: a discovered pod's slot
+        (``vllm-0``) depends on the discovery history of the process."""
+        return self.settings.url
+
     def mark(self, healthy: bool) -> None:
         if healthy != self.healthy:
             log.warning(
@@ -337,7 +345,7 @@ class BackendPool:
         """Weighted rendezvous hashing over the healthy primaries, with bounded load.
 
         Each backend scores ``-weight / ln(u)`` with ``u`` uniform from a hash of (key,
-        backend name): the highest score wins, in proportion to the weights, and when
+        ``Backend.identity``): the highest score wins, in proportion to the weights, and when
         a backend leaves or rejoins only the conversations it wins move. A backend
         already carrying more than ``affinity_load_factor`` x its weighted share of
         the requests in flight is passed over for the next in the ranking, so a
@@ -393,9 +401,15 @@ class BackendPool:
     async def check_all(self, *, initial: bool = False) -> None:
         # A backend leaves only after two failed probes in a row (a refused
         # connection during a request takes it out at once).
+        # Discovery may change the list while the probes are out: the results belong
+        # to the backends probed, and one that left meanwhile is not marked.
+        probed = list(self.backends)
         timeout = self.probe_timeout_s
-        results = await asyncio.gather(*(b.probe_health(timeout) for b in self.backends))
-        for backend, ok in zip(self.backends, results, strict=True):
+        results = await asyncio.gather(*(b.probe_health(timeout) for b in probed))
+        current = {id(b) for b in self.backends}
+        for backend, ok in zip(probed, results, strict=True):
+            if id(backend) not in current:
+                continue
             if ok:
                 backend.failed_probes = 0
                 backend.mark(True)
@@ -421,7 +435,7 @@ RawHeaders = list[tuple[bytes, bytes]]
 
 
 def _rendezvous_score(key: str, backend: Backend) -> float:
-    digest = hashlib.blake2b(f"{key}\x00{backend.name}".encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(f"{key}\x00{backend.identity}".encode(), digest_size=8).digest()
     uniform = (int.from_bytes(digest, "big") + 1) / (2**64 + 1)  # in (0, 1)
     return -backend.settings.weight / math.log(uniform)
 

@@ -135,3 +135,101 @@ def test_discovered_addresses_take_the_lowest_free_slots() -> None:
         "http://[fd00::7]:8000",
         False,
     )
+
+
+def test_replicas_with_different_discovery_histories_map_conversations_to_the_same_pod(
+    monkeypatch: Any,
+) -> None:
+    """Replica A saw pods .1 and .2, then .1 was replaced by .3; replica B started after
+    that. The same pods carry swapped slot names in the two replicas (A: .3 took
+    slot 0; B: .2 did), yet every conversation goes to the same pod from both:
+    affinity hashes the pod's address, not its slot."""
+    from gateway.upstream import discovery
+    from gateway.upstream.pool import Backend
+
+    answers: dict[str, list[list[str]]] = {
+        "a": [["10.0.0.1", "10.0.0.2"], ["10.0.0.2", "10.0.0.3"]],
+        "b": [["10.0.0.2", "10.0.0.3"]],
+    }
+    replica = "a"
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return answers[replica].pop(0)
+
+    async def healthy(self: Backend, timeout_s: float) -> bool:
+        return True
+
+    monkeypatch.setattr(discovery, "resolve_addresses", resolver)
+    monkeypatch.setattr(Backend, "probe_health", healthy)
+    pods = [{"name": "vllm", "url": "http://pods.test:8000", "discover": True}]
+
+    async def run() -> None:
+        nonlocal replica
+        pools = []
+        for replica in ("a", "a", "b"):
+            if replica == "b" or not pools:
+                pools.append(BackendPool(UpstreamSettings.model_validate({"backends": pods})))
+            await pools[-1].discover()
+        a, b = pools
+        try:
+            slots = [{x.url: x.name for x in pool.backends} for pool in pools]
+            assert slots[0] == {"http://10.0.0.2:8000": "vllm-1", "http://10.0.0.3:8000": "vllm-0"}
+            assert slots[1] == {"http://10.0.0.2:8000": "vllm-0", "http://10.0.0.3:8000": "vllm-1"}
+            rng = random.Random(0)
+            on_a = [a.choose_first(0.0, rng, affinity=key).url for key in KEYS]
+            on_b = [b.choose_first(0.0, rng, affinity=key).url for key in KEYS]
+            assert on_a == on_b
+            assert 1200 < on_a.count("http://10.0.0.2:8000") < 1800  # both pods used
+        finally:
+            for pool in pools:
+                await pool.session.close()
+                await pool.fresh_session.close()
+
+    asyncio.run(run())
+
+
+def test_a_pod_leaving_during_a_health_round_marks_no_healthy_pod_down(monkeypatch: Any) -> None:
+    """Discovery runs while a health round's probes are out: pod .1 leaves and a dead
+    pod .9 joins. The round's results belong to the pods it probed: .2 stays healthy,
+    .9 stays out of rotation, and the round does not raise."""
+    from gateway.upstream import discovery
+    from gateway.upstream.pool import Backend
+
+    answers = [["10.0.0.1", "10.0.0.2"], ["10.0.0.2", "10.0.0.9"]]
+    probes_out = asyncio.Event()
+    release = asyncio.Event()
+    in_round = False
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return answers.pop(0)
+
+    async def probe(self: Backend, timeout_s: float) -> bool:
+        alive = not self.url.startswith("http://10.0.0.9")
+        if in_round:
+            probes_out.set()
+            await release.wait()
+        return alive
+
+    monkeypatch.setattr(discovery, "resolve_addresses", resolver)
+    monkeypatch.setattr(Backend, "probe_health", probe)
+    pods = [{"name": "vllm", "url": "http://pods.test:8000", "discover": True}]
+
+    async def run() -> None:
+        nonlocal in_round
+        pool = BackendPool(UpstreamSettings.model_validate({"backends": pods}))
+        try:
+            await pool.discover()
+            in_round = True
+            health_round = asyncio.ensure_future(pool.check_all())
+            await probes_out.wait()
+            in_round = False
+            await pool.discover()  # .1 leaves, .9 (dead) joins, while the probes are out
+            release.set()
+            await health_round
+            state = {b.url: b.healthy for b in pool.backends}
+            assert state == {"http://10.0.0.2:8000": True, "http://10.0.0.9:8000": False}
+        finally:
+            await pool.session.close()
+            await pool.fresh_session.close()
+
+    asyncio.run(run())
