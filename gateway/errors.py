@@ -33,6 +33,10 @@ class GatewayError(Exception):
     #: ``vllm_guard_gateway_answered_total``); False for what a backend's attempts
     #: ended in, which the guard counts as the request's verdict.
     answered_by_gateway = True
+    #: The request may have reached the backend (False only where that is proven:
+    #: the connection to it never opened). A request that may have reached it is
+    #: never sent again unless its method is idempotent (``gateway.upstream.pool``).
+    may_have_reached_backend = True
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)

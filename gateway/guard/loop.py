@@ -261,7 +261,7 @@ class Guard:
         trace.kinds.append("backend_error")
         if isinstance(exc, UpstreamProtocolError):
             self.metrics.upstream_errors.labels(backend.name, "protocol").inc()
-        failover = self._failover_backend(backend, trace)
+        failover = self._failover_backend(backend, trace) if _may_send_elsewhere(exc) else None
         cause = repr(exc.__cause__) if exc.__cause__ is not None else exc.code
         request_id, endpoint = headers["x-request-id"], trace.request.endpoint
         if failover is None:
@@ -332,8 +332,9 @@ class Guard:
             )
         except NoHealthyBackend:
             return None
-        # Failing over costs vLLM nothing (the failed attempt never reached it): only
-        # the per-request bound applies, not the budget.
+        # Failing over costs vLLM little (the failed attempt never reached it, or was
+        # answered with garbage at once): only the per-request bound applies, not the
+        # budget.
         if other is failed or trace.attempts >= self.settings.guard.max_attempts:
             return None
         return other
@@ -426,7 +427,7 @@ class Guard:
         # that never reached the backend is not one it could corrupt.
         self.metrics.upstream_attempts.labels(trace.model, backend.name).inc()
         attempt = Attempt(
-            backend, salt, response.status, response_headers(response, keep_encoding=False)
+            backend, salt, response.status, response_headers(response, verbatim=False)
         )
         try:
             if response.status != 200 or not request.stream:
@@ -673,3 +674,12 @@ class Guard:
         if attempt.stream is not None:
             attempt.stream.close()
         trace.unroute()
+
+
+def _may_send_elsewhere(exc: GatewayError) -> bool:
+    """Whether an attempt that failed in transport may be sent to another backend: it
+    never reached its backend (the connection did not open), or its backend answered
+    with something that is not an answer (an attempt, counted, like a degenerate
+    one). A request the backend may be working on, or may have stored (a cut
+    connection, a silence, a body that broke off), is not sent twice."""
+    return not exc.may_have_reached_backend or isinstance(exc, UpstreamProtocolError)

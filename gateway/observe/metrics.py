@@ -170,6 +170,14 @@ class Metrics:
             ["backend", "kind"],
             registry=r,
         )
+        self.upstream_resends = Counter(
+            "vllm_guard_upstream_resends",
+            "Proxied idempotent requests (GET, HEAD, ...) sent to a backend a second "
+            "time, on a new connection, after its pooled keep-alive connection turned "
+            "out closed. Generations are never resent.",
+            ["backend"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "vllm_guard_prompt_tokens",
             "Prompt tokens of every attempt, by that attempt's verdict.",

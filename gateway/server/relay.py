@@ -59,7 +59,8 @@ class ServerHooks:
     response is not a started chunked one). ``hold_head``: called just before
     ``send()`` of ``http.response.start`` when body bytes follow without waiting:
     the head then goes out in the same write as the first of them (one syscall,
-    not two)."""
+    not two). ``abort``: closes the connection of a response that broke off, before
+    its end (no terminating chunk)."""
 
     __slots__ = ("on_client_gone",)
 
@@ -71,6 +72,11 @@ class ServerHooks:
 
     def hold_head(self) -> None:
         pass
+
+    def abort(self) -> None:
+        """Close the connection under a started response that broke off, so the client
+        sees a broken body; this base leaves it to the server (uvicorn closes a
+        connection whose app returned before completing its response, and logs it)."""
 
 
 def server_hooks(scope: Mapping[str, object]) -> ServerHooks | None:

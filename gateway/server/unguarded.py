@@ -1,6 +1,8 @@
 """Every other path: proxied to a backend verbatim, the body read whole (bounded,
-before anything goes upstream), the reply streamed back. A stored Responses
-answer's ``GET`` and ``cancel`` go to the backend that made it."""
+before anything goes upstream), the reply streamed back byte for byte, with its
+Content-Length where the backend sent one. A reply that breaks off reaches the
+client broken (``UpstreamBody``). A stored Responses answer's ``GET`` and
+``cancel`` go to the backend that made it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from gateway.config import Settings
 from gateway.errors import GatewayError
@@ -17,6 +20,7 @@ from gateway.server.asgi import error_response, new_request_id, read_body
 from gateway.server.auth import CLIENT_KEY_HEADERS
 from gateway.server.lifespan import Runtime
 from gateway.server.paths import stored_answer_id
+from gateway.server.relay import server_hooks
 from gateway.upstream.pool import forward_headers, map_transport_errors, response_headers
 
 log = logging.getLogger("vllm_guard")
@@ -57,13 +61,14 @@ def unguarded_proxy(settings: Settings, runtime: Callable[[Request], Runtime]) -
                 headers=headers,
                 body=body,
                 params=request.url.query,
+                on_resend=lambda: state.metrics.upstream_resends.labels(backend.name).inc(),
             )
         except GatewayError as exc:
             state.metrics.count_answered("other", exc)
             return error_response(exc)
         except ClientDisconnect:
             return Response(status_code=499)
-        out_headers = response_headers(upstream, keep_encoding=True)
+        out_headers = response_headers(upstream, verbatim=True)
         if not any(name == b"x-request-id" for name, _ in out_headers):
             out_headers.append((b"x-request-id", request_id.encode("latin-1")))
 
@@ -74,11 +79,35 @@ def unguarded_proxy(settings: Settings, runtime: Callable[[Request], Runtime]) -
                         yield chunk
             except GatewayError:
                 log.warning("proxied response from %s broke off", backend.name)
+                raise BrokeOff from None
             finally:
                 upstream.close()
 
-        response = StreamingResponse(relay(), status_code=upstream.status)
+        response = UpstreamBody(relay(), status_code=upstream.status)
         response.raw_headers.extend(out_headers)  # raw pairs: repeated headers survive
         return response
 
     return proxy
+
+
+class BrokeOff(Exception):
+    """The backend's body broke off after the response started."""
+
+
+class UpstreamBody(StreamingResponse):
+    """A proxied body, relayed as it arrives. When it breaks off, the body is not ended:
+    no terminating chunk, or fewer bytes than Content-Length, and the connection is
+    closed, so the client's HTTP library reports the break instead of handing
+    truncated JSON on as complete."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.scope = scope
+        await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        except BrokeOff:
+            hooks = server_hooks(self.scope)
+            if hooks is not None:
+                hooks.abort()

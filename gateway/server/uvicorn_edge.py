@@ -236,6 +236,16 @@ class CycleHooks(ServerHooks):
         if not cycle.response_started and cycle.scope["method"] != "HEAD":
             cycle.transport = _HeadHolder(cycle)  # type: ignore[assignment]
 
+    def abort(self) -> None:
+        """The response broke off: close the connection without ending the body (no
+        terminating chunk, fewer bytes than Content-Length). Marked disconnected
+        first, as a lost client would be, so uvicorn neither writes the body's end
+        nor reports an incomplete response as an app error."""
+        cycle = self.cycle
+        if not cycle.response_complete:
+            cycle.disconnected = True
+            cycle.transport.close()
+
 
 class _HeadHolder:
     """Stands in for a response cycle's transport from the response head to its first

@@ -72,6 +72,9 @@ def drop_read_timer(response: aiohttp.ClientResponse) -> bool:
     return True
 
 
+#: RFC 9110 9.2.2: methods whose repetition has the effect of one request.
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
+
 #: The paths guarded requests are sent to (a bounded set: their URLs are kept parsed).
 GUARDED_UPSTREAM_PATHS = frozenset(ADAPTERS)
 
@@ -141,12 +144,19 @@ class Backend:
         headers: Mapping[str, str],
         body: bytes | AsyncIterator[bytes] | None,
         params: str = "",
+        on_resend: Callable[[], None] | None = None,
     ) -> aiohttp.ClientResponse:
         """Send a request and return the response with its body still unread.
 
-        A pooled keep-alive connection that the backend closed while it sat idle
-        (uvicorn, vLLM's server, closes after 5 s) fails before the backend has read
-        anything; a replayable body is then sent once more, on a new connection.
+        A request is sent once, unless sending it again is harmless: a pooled
+        keep-alive connection that turns out closed gets an idempotent request (GET,
+        HEAD, ...) with a replayable body sent once more, on a new connection
+        (``on_resend`` is told). Anything else, a generation above all, is not: the
+        backend may have read it (a load balancer's idle timeout cutting a long
+        generation looks the same as a keep-alive close), and a resend would make
+        vLLM generate it, or store a ``store: true`` answer, twice. Idle pooled
+        connections are closed before the backend's keep-alive ends
+        (``upstream.keepalive_s``), so that close rarely meets a request.
         """
         url = self._url(path, params)
         try:
@@ -155,9 +165,17 @@ class Backend:
                     method, url, headers=headers, data=body, allow_redirects=False
                 )
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                if not isinstance(body, bytes | None):
-                    raise  # a streamed body cannot be replayed
-                log.info("backend %s closed a connection (%r); resending once", self.name, exc)
+                if (
+                    method not in IDEMPOTENT_METHODS
+                    or not isinstance(body, bytes | None)  # a streamed body cannot be replayed
+                    or isinstance(exc, aiohttp.ClientConnectorError)  # a new connection failed
+                ):
+                    raise
+                log.info(
+                    "backend %s closed a connection (%r); resending %s once", self.name, exc, method
+                )
+                if on_resend is not None:
+                    on_resend()
                 return await self.fresh_session.request(
                     method, url, headers=headers, data=body, allow_redirects=False
                 )
@@ -197,6 +215,15 @@ def map_transport_errors(backend: Backend) -> Iterator[None]:
 def transport_error(backend: Backend, exc: TimeoutError | aiohttp.ClientError) -> GatewayError:
     """The GatewayError for a transport exception (``map_transport_errors``, or a hot
     loop's own ``except`` where a context manager per read would cost too much)."""
+    error = _transport_error(backend, exc)
+    # aiohttp raises these only while it opens a connection (ConnectionTimeoutError:
+    # waiting for a pool slot or the TCP handshake): the request was never written.
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        error.may_have_reached_backend = False
+    return error
+
+
+def _transport_error(backend: Backend, exc: TimeoutError | aiohttp.ClientError) -> GatewayError:
     if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
         return UpstreamTimeout(f"backend {backend.name} did not answer in time")
     if isinstance(exc, aiohttp.ClientConnectorError):
@@ -205,8 +232,8 @@ def transport_error(backend: Backend, exc: TimeoutError | aiohttp.ClientError) -
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError):
         return BackendUnreachable(f"backend {backend.name} closed the connection")
     if isinstance(exc, aiohttp.ClientPayloadError):
-        # The body broke off (the backend died mid-response): before release this
-        # fails over like any unreachable backend; after release it ends in-band.
+        # The body broke off (the backend died mid-response): the request reached it,
+        # so it is not sent again; after release the stream ends in-band.
         return BackendUnreachable(f"backend {backend.name} broke off its response")
     if isinstance(exc, aiohttp.ClientResponseError):
         return UpstreamProtocolError(f"backend {backend.name} sent an invalid response")
@@ -482,14 +509,19 @@ def _skipped_request_headers(drop: frozenset[str]) -> frozenset[bytes]:
 _DROPPED_RESPONSE_HEADERS = frozenset(
     name.encode("latin-1") for name in HOP_BY_HOP | {"date", "server"}
 )
+#: A body relayed byte for byte keeps its length and encoding: a client that reads
+#: fewer bytes than Content-Length knows the body broke off.
+_DROPPED_VERBATIM_RESPONSE_HEADERS = _DROPPED_RESPONSE_HEADERS - {b"content-length"}
 _DROPPED_DECODED_RESPONSE_HEADERS = _DROPPED_RESPONSE_HEADERS | {b"content-encoding"}
 
 
-def response_headers(upstream: aiohttp.ClientResponse, *, keep_encoding: bool) -> RawHeaders:
+def response_headers(upstream: aiohttp.ClientResponse, *, verbatim: bool) -> RawHeaders:
     """The backend's response headers for the client: repeats (Set-Cookie, Vary) kept,
     hop-by-hop ones and those named in Connection dropped; our server adds its own
-    Date and Server. Names lower-cased (HTTP header names are ASCII tokens)."""
-    dropped = _DROPPED_RESPONSE_HEADERS if keep_encoding else _DROPPED_DECODED_RESPONSE_HEADERS
+    Date and Server. Names lower-cased (HTTP header names are ASCII tokens).
+    ``verbatim``: the body goes to the client as the backend sent it, so its
+    Content-Length and Content-Encoding stay; else the gateway reframes it."""
+    dropped = _DROPPED_VERBATIM_RESPONSE_HEADERS if verbatim else _DROPPED_DECODED_RESPONSE_HEADERS
     listed = upstream.headers.getall("connection", ())
     if listed:
         # aiohttp decodes header values as UTF-8 with surrogateescape: back to the bytes.

@@ -3,6 +3,7 @@ upstream 503, a backend that never answers, bad bodies and limits."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Iterator
@@ -391,12 +392,17 @@ def test_connect_timeout(gateway_for: GatewayFactory) -> None:
             s.close()
 
 
-def test_backend_closing_a_pooled_connection_is_not_an_error(gateway_for: GatewayFactory) -> None:
-    """A keep-alive connection the backend closed while idle fails before the backend
-    read anything: the gateway resends once on a new connection, the client sees 200.
-    The resend must not take another pooled connection, which may be just as dead
-    (it was: a 502 in a storm of streams that vLLM finished while the gateway was
-    still draining them, their connections' keep-alive expiring in the pool)."""
+def test_a_generation_on_a_closed_pooled_connection_is_not_sent_twice(
+    gateway_for: GatewayFactory,
+) -> None:
+    """A backend that reads a request on a kept-alive connection and then closes it
+    without answering: as a keep-alive close racing a reuse, and as a load balancer
+    cutting a long generation, look from the gateway. A generation (POST) that may
+    have reached the backend is never sent again: the client gets a 502 in OpenAI's
+    shape, and the backend saw the request once. An idempotent request (GET) is
+    resent once on a new connection (never another pooled one, which may be just as
+    dead: a 502 in a storm of streams once came from that), and the resend is
+    counted."""
     import asyncio
     import threading
     from concurrent.futures import ThreadPoolExecutor
@@ -406,27 +412,28 @@ def test_backend_closing_a_pooled_connection_is_not_an_error(gateway_for: Gatewa
     )
     ready = threading.Event()
     port_box: list[int] = []
+    heads: list[bytes] = []  # the request line of every request the backend read
+
+    async def read_request(reader: asyncio.StreamReader) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        heads.append(head.split(b"\r\n", 1)[0])
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length"):
+                await reader.readexactly(int(line.split(b":")[1]))
 
     async def serve() -> None:
         async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            # Answer the first request on a connection, then drop the connection
-            # without answering the next one: a keep-alive close racing a reuse.
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = int(
-                next(
-                    line.split(b":")[1]
-                    for line in head.split(b"\r\n")
-                    if line.lower().startswith(b"content-length")
-                )
-            )
-            await reader.readexactly(length)
+            # Answer the first request on a connection; read the next one, then drop
+            # the connection without answering it.
+            await read_request(reader)
             await asyncio.sleep(0.3)  # so that concurrent requests need a connection each
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
                 b"content-length: %d\r\n\r\n%s" % (len(answer), answer)
             )
             await writer.drain()
-            await reader.readuntil(b"\r\n\r\n")
+            with contextlib.suppress(asyncio.IncompleteReadError):
+                await read_request(reader)
             writer.close()
 
         server = await asyncio.start_server(connection, "127.0.0.1", 0)
@@ -440,16 +447,27 @@ def test_backend_closing_a_pooled_connection_is_not_an_error(gateway_for: Gatewa
     gateway = gateway_for(f"http://127.0.0.1:{port_box[0]}", upstream={"health_interval_s": 60})
     gateway.runtime.pool.backends[0].mark(True)  # this raw server has no /health
 
-    def ask(_: object = None) -> str:
-        response = httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=10)
-        assert response.status_code == 200, response.text
-        content: str = response.json()["choices"][0]["message"]["content"]
-        return content
+    def ask(_: object = None) -> httpx.Response:
+        return httpx.post(gateway.url + "/v1/chat/completions", json=BODY, timeout=10)
+
+    def get(_: object = None) -> httpx.Response:
+        return httpx.get(gateway.url + "/v1/models", timeout=10)
 
     with ThreadPoolExecutor(3) as pool:  # three connections, all pooled afterwards
-        assert list(pool.map(ask, range(3))) == ["fine"] * 3
-    for _ in range(3):  # each takes a dead pooled connection first
-        assert ask() == "fine"
+        assert [r.status_code for r in pool.map(ask, range(3))] == [200] * 3
+    cut = ask()  # takes a pooled connection the backend reads from, then drops
+    assert cut.status_code == 502, cut.text
+    assert cut.json()["error"]["code"] == "backend_unreachable"
+    with ThreadPoolExecutor(3) as pool:  # the other two pooled ones: cut as well
+        assert [r.status_code for r in pool.map(ask, range(2))] == [502] * 2
+    time.sleep(0.3)
+    posts = [h for h in heads if h.startswith(b"POST")]
+    assert len(posts) == 6  # 3 answered + 3 cut, each read once: none sent again
+    with ThreadPoolExecutor(3) as pool:
+        assert [r.status_code for r in pool.map(get, range(3))] == [200] * 3
+    resent = get()  # a GET on a dropped pooled connection: sent again, answered
+    assert resent.status_code == 200, resent.text
+    assert scraped_metric(gateway.url, "vllm_guard_upstream_resends_total") == 1
 
 
 def raw_post(url: str, path: bytes, body: bytes, extra: bytes = b"") -> tuple[int, bytes, bytes]:
@@ -706,3 +724,32 @@ def test_a_stored_response_is_continued_and_read_on_the_backend_that_made_it(
                 method = "GET" if path.endswith(made) else "POST"
                 assert httpx.request(method, gateway.url + path).status_code == 200
                 assert maker.state.paths[-1] == path
+
+
+@pytest.mark.parametrize("framing", ["chunked", "length"])
+def test_a_proxied_body_that_breaks_off_reaches_the_client_broken(
+    stub: StubBackend, gateway_for: GatewayFactory, framing: str
+) -> None:
+    """The backend dies mid-body on an unguarded path (/v1/embeddings): the client's
+    HTTP library reports a broken body (no terminating chunk; fewer bytes than the
+    Content-Length passed through), never a 200 with truncated JSON."""
+    from support.stub_backend import HALF_EMBEDDING
+
+    gateway = gateway_for(stub.url)
+    scenario = "abort-mid-body" + ("-length" if framing == "length" else "")
+    received = bytearray()
+
+    def read_all() -> None:
+        with httpx.stream(
+            "POST", gateway.url + "/v1/embeddings", json={"model": "stub", "input": "hi"},
+            headers={"x-stub-scenario": scenario}, timeout=10,
+        ) as response:  # fmt: skip
+            assert response.status_code == 200
+            if framing == "length":
+                assert response.headers["content-length"] == str(len(HALF_EMBEDDING) * 2)
+            for part in response.iter_raw():
+                received.extend(part)
+
+    with pytest.raises(httpx.RemoteProtocolError):
+        read_all()
+    assert received == HALF_EMBEDDING

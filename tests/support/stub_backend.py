@@ -104,6 +104,26 @@ def add_repeated_headers(response: Response) -> None:
     ]
 
 
+#: What ``abort-mid-body`` sends before the backend dies: the head of an embedding.
+HALF_EMBEDDING = b'{"object":"list","data":[{"object":"embedding","embedding":[0.12,0.5'
+
+
+class BackendDied(Exception):
+    """Ends a stub body mid-way: uvicorn closes the connection under it."""
+
+
+def aborted_body(*, with_length: bool) -> Response:
+    """A backend that dies mid-body (chunked, or short of its Content-Length)."""
+
+    async def body() -> AsyncIterator[bytes]:
+        yield HALF_EMBEDDING
+        await asyncio.sleep(0.05)
+        raise BackendDied
+
+    headers = {"content-length": str(len(HALF_EMBEDDING) * 2)} if with_length else None
+    return StreamingResponse(body(), media_type="application/json", headers=headers)
+
+
 class StubState:
     def __init__(self) -> None:
         self.requests: list[dict[str, object]] = []
@@ -244,8 +264,11 @@ def build_app(state: StubState) -> Starlette:
         state.paths.append(request.url.path)
         state.headers.append({":path": request.url.path, **request.headers})
         state.raw_headers.append(request.headers.items())
+        scenario = request.headers.get("x-stub-scenario", "")
+        if scenario.startswith("abort-mid-body"):
+            return aborted_body(with_length=scenario.endswith("-length"))
         answer = JSONResponse({"path": request.url.path, "host": request.headers.get("host")})
-        if request.headers.get("x-stub-scenario") == "repeated-headers":
+        if scenario == "repeated-headers":
             add_repeated_headers(answer)
         return answer
 

@@ -481,3 +481,28 @@ def test_in_flight_follows_the_backend_serving_each_attempt() -> None:
             assert_nothing_held(guard)
 
     asyncio.run(scenario())
+
+
+def test_an_attempt_that_reached_its_backend_is_not_sent_to_another() -> None:
+    """The backend read the request and its stream broke off while held (a crash, or a
+    load balancer's cut): the backend may have generated, or stored, the answer, so
+    it is not sent again elsewhere; the client gets the error. A backend that could
+    not be connected to is failed over from (``test_an_unreachable_backend_fails_over``)."""
+
+    async def scenario() -> None:
+        async def breaks_off(request: web.Request) -> web.StreamResponse:
+            response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(chunk(" "))
+            assert request.transport is not None
+            request.transport.close()
+            return response
+
+        script = Script([breaks_off, answers_whole(CLEAN_TEXT)])
+        async with guard_with(script, backends=2) as guard:
+            with pytest.raises(BackendUnreachable):
+                await handle(guard, stream=True)
+            assert len(script.received) == 1
+            assert_nothing_held(guard)
+
+    asyncio.run(scenario())
