@@ -83,6 +83,7 @@ bench-proxy: setup ## the gateway's own cost vs. nginx and LiteLLM, against a fa
 	@test -x $(LITELLM_VENV)/bin/litellm || { $(PYTHON) -m venv $(LITELLM_VENV) && $(LITELLM_VENV)/bin/pip install -q 'litellm[proxy]'; }
 	$(BIN)/python tests/perf/bench_proxy.py
 	$(BIN)/python tests/perf/bench_recovery.py
+	$(BIN)/python tests/perf/bench_redis_lookup.py
 
 soak: setup vllm ## 10,000 requests at c=32 with poisoning on
 	$(BIN)/python tests/perf/soak.py

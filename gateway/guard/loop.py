@@ -102,7 +102,9 @@ class Guard:
             if settings.state.redis_url is not None
             else None
         )
-        self.salts: SaltMemory | SharedSaltMemory = self.shared_salts or local_salts
+        self.salts: SaltMemory | SharedSaltMemory = (
+            local_salts if self.shared_salts is None else self.shared_salts
+        )
         self.chains = AnswerChains(settings.guard.salt_reuse.max_entries)
         key = settings.guard.salt_reuse.key
         self.ladder = SaltLadder(key.get_secret_value().encode() if key is not None else None)

@@ -7,9 +7,9 @@ unsalted, gets the corrupt answer again and retries. With ``state.redis_url`` th
 memory is also kept in Redis, the engine operators already run for cross-replica
 state:
 
-* one read per guarded request that has a conversation key (``GET``, within
-  ``state.lookup_timeout_ms``, on a pipelined connection of its own:
-  ``gateway.guard.redis_get``), which also refreshes the local memory;
+* one read per guarded request that has a conversation key (a ``GET`` within
+  ``state.lookup_timeout_ms``; the reads of one event-loop pass go as one ``MGET``,
+  ``gateway.guard.redis_lookups``), which also refreshes the local memory;
 * one write when a conversation changes rung (``SET`` with the salt memory's TTL;
   again when a process's own entry is past half its TTL),
   and a compare-and-delete when corruption recurs under a salt; both leave the
@@ -22,7 +22,10 @@ error, answers from the local memory and is counted in
 ``vllm_guard_state_errors_total{op}``. Three failures in a row, or a lost
 connection, stop the lookups: logged once, ``vllm_guard_state_shared`` drops to 0,
 and the connection is tried again in the background every ``state.reconnect_s``
-until Redis answers.
+until Redis answers. Every command goes through redis-py, so the URL means the same
+for reads and writes (``redis://user:pw@host/3``, ``?password=..&db=..``,
+``rediss://..?ssl_ca_certs=..&ssl_certfile=..&ssl_keyfile=..``), and the memory
+counts as shared (``vllm_guard_state_shared`` 1) only once Redis has answered.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from redis.exceptions import RedisError
 
 from gateway.config import SaltReuseSettings, StateSettings
 from gateway.guard.conversations import SaltMemory
-from gateway.guard.redis_get import TOO_LATE, PipelinedGet, RedisReplyError
+from gateway.guard.redis_lookups import BatchedGet
 from gateway.observe.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,8 @@ return 0
 FAILURES_BEFORE_FALLBACK = 3
 #: Longest wait for a background write or a reconnection probe.
 _BACKGROUND_TIMEOUT_S = 1.0
+#: What a lookup's future holds when its deadline passed first.
+TOO_LATE = object()
 
 
 class SharedSaltMemory:
@@ -77,43 +82,32 @@ class SharedSaltMemory:
         self.timeout_s = settings.lookup_timeout_ms / 1000
         self.ttl_s = max(1, round(salt_reuse.ttl_s))
         self.reconnect_s = settings.reconnect_s
-        self.url = settings.redis_url.get_secret_value()
-        #: Writes, scripts and pings: redis-py. The lookups: one pipelined connection
-        #: of their own, opened with the client's first ping (gateway.guard.redis_get).
-        self.reads: PipelinedGet | None = None
         self.client = redis.asyncio.Redis.from_url(
-            self.url,
+            settings.redis_url.get_secret_value(),
             socket_connect_timeout=_BACKGROUND_TIMEOUT_S,
             socket_timeout=_BACKGROUND_TIMEOUT_S,
         )
-        self.healthy = True
+        self.reads = BatchedGet(self.client)
+        #: Redis answered the last ping and has not failed since (the local memory
+        #: answers meanwhile); until ``connect`` succeeds nothing is shared.
+        self.healthy = False
         #: Failures since the last success: a lookup that misses its deadline once is
         #: answered locally; FAILURES_BEFORE_FALLBACK in a row (or a lost connection)
         #: stop the lookups until Redis answers again.
         self._failures_in_a_row = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reconnecting: asyncio.Task[None] | None = None
-        metrics.state_shared.set(1)
+        metrics.state_shared.set(0)
 
     async def connect(self) -> None:
         """Open the first connection at start (a lookup's few milliseconds are too short
-        to connect in); a Redis that does not answer starts the fallback at once."""
-        if (exc := await self._open()) is not None:
-            self._failed("ping", exc)
-
-    async def _open(self) -> BaseException | None:
-        """Ping through the client, then (re)open the lookups' connection; the
-        failure, or None."""
+        to connect in). Any failure, an error reply included (a wrong password, an
+        unknown database), starts the fallback at once."""
         if (exc := await _bounded(self.client.ping())) is not None:
-            return exc
-        try:
-            reads = await PipelinedGet.open(self.url, _BACKGROUND_TIMEOUT_S)
-        except (TimeoutError, OSError, RedisReplyError) as exc:
-            return exc
-        if self.reads is not None:
-            self.reads.close()
-        self.reads = reads
-        return None
+            self.metrics.state_errors.labels("ping").inc()
+            self._fall_back("ping", exc)
+        else:
+            self._shared()
 
     def __len__(self) -> int:
         """Entries this process can see: while Redis is in use, any conversation may
@@ -125,13 +119,13 @@ class SharedSaltMemory:
         time, else this process's own."""
         if key is None:
             return None
-        if self.healthy and self.reads is not None:
+        if self.healthy:
             reply = self.reads.get(self.prefix + key)
             loop = asyncio.get_running_loop()
             deadline = loop.call_later(self.timeout_s, _expire_after_pending_io, reply, 2)
             try:
                 raw = await reply
-            except (OSError, RedisReplyError) as exc:
+            except (OSError, RedisError) as exc:
                 self._failed("get", exc)
             else:
                 if raw is TOO_LATE:
@@ -169,8 +163,7 @@ class SharedSaltMemory:
     async def close(self) -> None:
         for task in [*self._tasks, *([self._reconnecting] if self._reconnecting else [])]:
             task.cancel()
-        if self.reads is not None:
-            self.reads.close()
+        self.reads.close()
         await self.client.aclose()
 
     # -- failures -----------------------------------------------------------------------
@@ -190,8 +183,11 @@ class SharedSaltMemory:
         if not self.healthy:
             return
         lost = isinstance(exc, RedisConnectionError | OSError)
-        if not lost and self._failures_in_a_row < FAILURES_BEFORE_FALLBACK:
-            return
+        if lost or self._failures_in_a_row >= FAILURES_BEFORE_FALLBACK:
+            self._fall_back(op, exc)
+
+    def _fall_back(self, op: str, exc: BaseException) -> None:
+        """Stop asking Redis; probe it in the background until it answers."""
         self.healthy = False
         self.metrics.state_shared.set(0)
         log.warning(
@@ -199,17 +195,21 @@ class SharedSaltMemory:
             "and retrying the connection every %g s",
             op, type(exc).__name__, self.reconnect_s,
         )  # fmt: skip
-        self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
+        if self._reconnecting is None:
+            self._reconnecting = asyncio.get_running_loop().create_task(self._reconnect())
+
+    def _shared(self) -> None:
+        self.healthy = True
+        self._failures_in_a_row = 0
+        self.metrics.state_shared.set(1)
 
     async def _reconnect(self) -> None:
         while True:
             await asyncio.sleep(self.reconnect_s)
-            if await self._open() is not None:
+            if await _bounded(self.client.ping()) is not None:
                 self.metrics.state_errors.labels("ping").inc()
                 continue
-            self.healthy = True
-            self._failures_in_a_row = 0
-            self.metrics.state_shared.set(1)
+            self._shared()
             log.warning("shared state (Redis) answers again; conversation memory is shared")
             self._reconnecting = None
             return

@@ -137,12 +137,16 @@ class RunningRedis:
         except OSError:
             return False
 
-    def command(self, *args: str) -> bytes:
-        """One command in RESP, its raw reply (enough for GET, KEYS, DBSIZE)."""
+    def command(self, *args: str, db: int = 0) -> bytes:
+        """One command in RESP (in database ``db``), its raw reply (enough for GET,
+        KEYS, DBSIZE)."""
         payload = f"*{len(args)}\r\n" + "".join(f"${len(a)}\r\n{a}\r\n" for a in args)
         with socket.create_connection(("127.0.0.1", self.port), timeout=5) as conn:
             if self.password:
                 conn.sendall(f"AUTH {self.password}\r\n".encode())
+                conn.recv(64)
+            if db:
+                conn.sendall(f"SELECT {db}\r\n".encode())
                 conn.recv(64)
             conn.sendall(payload.encode())
             return conn.recv(65536)

@@ -1,0 +1,183 @@
+"""The conversation memory against a real ``redis-server``, through redis-py: lookups
+batched into MGETs reach their own requests, a late reply reaches no one, every URL
+form redis-py accepts means the same database for writes and lookups, and a Redis
+that refuses the connection is never reported as shared."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+import pytest
+import redis.asyncio
+import uvloop
+from conftest import ARTIFACTS, RunningRedis
+from prometheus_client import CollectorRegistry
+from support.servers import free_port
+
+from gateway.config import SaltReuseSettings, StateSettings
+from gateway.guard.conversations import SaltMemory
+from gateway.guard.redis_lookups import BatchedGet
+from gateway.guard.shared_state import TOO_LATE, SharedSaltMemory
+from gateway.observe.metrics import Metrics
+
+Run = Callable[[Coroutine[Any, Any, Any]], Any]
+PASSWORD = "s3cr:et"
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request: pytest.FixtureRequest) -> Run:
+    """Both event loops the gateway can run on (uvicorn picks uvloop when installed)."""
+    return asyncio.run if request.param == "asyncio" else uvloop.run  # type: ignore[return-value]
+
+
+@pytest.fixture
+def redis_with_password() -> Iterator[RunningRedis]:
+    server = RunningRedis(free_port(), ARTIFACTS / "redis-password.log", password=PASSWORD)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def memory(url: str) -> tuple[SharedSaltMemory, Metrics]:
+    metrics = Metrics(CollectorRegistry(), models=[], backends=[])
+    salt_reuse = SaltReuseSettings()
+    state = StateSettings.model_validate({"redis_url": url, "lookup_timeout_ms": 1000})
+    return SharedSaltMemory(SaltMemory(salt_reuse), state, salt_reuse, metrics), metrics
+
+
+def gauge(metrics: Metrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_batched_lookups_reach_their_own_requests(redis_server: RunningRedis, run: Run) -> None:
+    for i in range(0, 200, 3):
+        redis_server.command("SET", f"key{i}", f"value {i}" * (i % 7))
+
+    async def scenario() -> list[object]:
+        client = redis.asyncio.Redis.from_url(redis_server.url)
+        reads = BatchedGet(client)
+        try:
+            # 200 lookups in one pass (one MGET), the same key twice among them.
+            futures = [reads.get(f"key{i}") for i in range(200)] + [reads.get("key3")]
+            return list(await asyncio.gather(*futures))
+        finally:
+            await client.aclose()
+
+    expected = [f"value {i}".encode() * (i % 7) if i % 3 == 0 else None for i in range(200)]
+    assert run(scenario()) == [*expected, b"value 3" * 3]
+
+
+def test_a_reply_after_its_deadline_reaches_no_one(redis_server: RunningRedis, run: Run) -> None:
+    """The lookup gave up (its future holds TOO_LATE); Redis answers it later. The
+    next lookup gets its own value."""
+    redis_server.command("SET", "first", "1")
+    redis_server.command("SET", "second", "2")
+
+    async def scenario() -> tuple[object, object]:
+        client = redis.asyncio.Redis.from_url(redis_server.url)
+        await client.ping()
+        reads = BatchedGet(client)
+        try:
+            redis_server.pause()
+            late = reads.get("first")
+            await asyncio.sleep(0.05)
+            late.set_result(TOO_LATE)  # what the lookup's deadline does
+            redis_server.resume()
+            await asyncio.sleep(0.05)
+            return late.result(), await asyncio.wait_for(reads.get("second"), 5)
+        finally:
+            redis_server.resume()
+            await client.aclose()
+
+    assert run(scenario()) == (TOO_LATE, b"2")
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        "redis://:{pw}@127.0.0.1:{port}/3",
+        "redis://127.0.0.1:{port}/3?password={pw}",
+        "redis://127.0.0.1:{port}?password={pw}&db=3",
+        "redis://:{pw}@127.0.0.1:{port}/0?db=3",
+        "redis://guard:{user_pw}@127.0.0.1:{port}/3",  # an ACL user
+    ],
+)
+def test_every_url_form_reads_where_it_writes(redis_with_password: RunningRedis, form: str) -> None:
+    """A conversation remembered through one process's memory is written to the URL's
+    database, and another process's lookup through the same URL reads it there (the
+    hand-written lookups read db 0 for ``?db=3`` and got NOAUTH for
+    ``?password=``: every such miss was silent)."""
+    server = redis_with_password
+    server.command("ACL", "SETUSER", "guard", "on", ">guard-pw", "~*", "+@all")
+    url = form.format(pw="s3cr%3Aet", user_pw="guard-pw", port=server.port)
+
+    async def scenario() -> tuple[object, float]:
+        writer, _ = memory(url)
+        reader, metrics = memory(url)
+        try:
+            await writer.connect()
+            await reader.connect()
+            writer.remember("conversation-1", "vg.rung-2", 2)
+            for _ in range(100):  # the write leaves in the background
+                if b"vg.rung-2" in server.command("GET", "vllm-guard:salt:conversation-1", db=3):
+                    break
+                await asyncio.sleep(0.01)
+            found = await reader.lookup("conversation-1")
+            return found, gauge(metrics, "vllm_guard_state_shared")
+        finally:
+            await writer.close()
+            await reader.close()
+
+    found, shared = asyncio.run(scenario())
+    assert found == ("vg.rung-2", 2)
+    assert shared == 1
+    assert server.command("GET", "vllm-guard:salt:conversation-1") == b"$-1\r\n"  # not db 0
+
+
+@pytest.mark.parametrize(
+    "wrong", ["redis://:wrong@127.0.0.1:{port}/0", "redis://127.0.0.1:{port}/0"]
+)
+def test_a_refused_connection_is_never_reported_shared(
+    redis_with_password: RunningRedis, wrong: str
+) -> None:
+    """An error reply at connect (WRONGPASS, NOAUTH) falls back at once: shared 0, the
+    error counted, lookups answered from the process's own memory."""
+
+    async def scenario() -> tuple[float, float, object]:
+        shared, metrics = memory(wrong.format(port=redis_with_password.port))
+        try:
+            await shared.connect()
+            shared.local.remember("conversation-1", "vg.local", 1)
+            found = await shared.lookup("conversation-1")
+            return (
+                gauge(metrics, "vllm_guard_state_shared"),
+                gauge(metrics, "vllm_guard_state_errors_total", op="ping"),
+                found,
+            )
+        finally:
+            await shared.close()
+
+    assert asyncio.run(scenario()) == (0.0, 1.0, ("vg.local", 1))
+
+
+def test_a_lost_connection_fails_the_waiting_lookups(redis_server: RunningRedis, run: Run) -> None:
+    async def scenario() -> BaseException | None:
+        client = redis.asyncio.Redis.from_url(redis_server.url, socket_timeout=5)
+        await client.ping()
+        reads = BatchedGet(client)
+        try:
+            redis_server.pause()  # the command is read by no one
+            waiting = reads.get("anything")
+            await asyncio.sleep(0.05)
+            redis_server.kill()  # the kernel closes the socket
+            await asyncio.wait((waiting,), timeout=5)
+            return waiting.exception()
+        finally:
+            await client.aclose()
+
+    assert isinstance(run(scenario()), redis.ConnectionError | ConnectionError)
