@@ -118,6 +118,11 @@ class ApiAdapter(ABC):
         """The id of a whole answer that a later request may continue (``continues``)."""
         return None
 
+    def stored_path(self, answer_id: str) -> str | None:
+        """The path that reads a stored answer back (``GET``), which only the backend
+        holding it answers with 200; None where answers are not stored."""
+        return None
+
     def event_reader(self, inspector: StreamInspector) -> EventReader | None:
         """A reader for one stream of this API (None: ``openai_chunks``)."""
         return None

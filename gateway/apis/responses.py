@@ -19,7 +19,8 @@ Stateful parts (README, "Responses and Messages"):
   response the guard released remembers its conversation and its backend
   (``gateway.guard.conversations.AnswerChains``): a request continuing it inherits the
   conversation (salt memory) and goes to that backend, as do ``GET`` and
-  ``cancel`` of the id (``gateway.server.app``).
+  ``cancel`` of the id (``Guard.answer_home``: remembered, shared through Redis,
+  or found by asking the pods, ``stored_path``).
 * ``background: true``: vLLM answers "queued" at once and generates later;
   there is no answer to inspect. Passed through unguarded, counted with the
   verdict ``unguarded``.
@@ -27,6 +28,7 @@ Stateful parts (README, "Responses and Messages"):
 
 from __future__ import annotations
 
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -196,6 +198,9 @@ class Responses(ApiAdapter):
     def answer_id(self, payload: Mapping[str, Any]) -> str | None:
         answer_id = payload.get("id")
         return answer_id if isinstance(answer_id, str) else None
+
+    def stored_path(self, answer_id: str) -> str | None:
+        return "/v1/responses/" + urllib.parse.quote(answer_id, safe="")
 
     def unguardable(self, body: Mapping[str, Any]) -> str | None:
         return "background" if body.get("background") is True else None

@@ -9,6 +9,7 @@ import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -112,34 +113,49 @@ class SaltMemory:
             del self._entries[key]
 
 
+@dataclass(frozen=True, slots=True)
+class ChainLink:
+    """Where a stored answer lives: its conversation's fingerprint (None: unknown) and
+    the backend that made it, by ``Backend.identity`` (its URL: every replica and
+    worker names a pod alike, whatever slot it gave it)."""
+
+    conversation: str | None
+    backend: str
+
+
 class AnswerChains:
-    """Bounded LRU: an answer's id -> the conversation fingerprint it belongs to and
-    the backend that made (and stores) it.
+    """Bounded LRU: an answer's id -> its ``ChainLink``.
 
     A Responses request with ``previous_response_id`` carries only its new turn; its
     history lives in the vLLM that stored the previous answer. The guard remembers,
     for each answer it released, its conversation (so the next turn is keyed on it:
     salt memory, affinity) and its backend (so the next turn, and ``GET`` or
-    ``cancel`` of the answer, go where it is stored). Per process, like the salt
-    memory; an id it does not know keys the conversation on the id itself."""
+    ``cancel`` of the answer, go where it is stored). Per process; shared through
+    Redis by ``gateway.guard.shared_state.SharedAnswerChains``. An id nobody knows
+    keys the conversation on the id itself, and its backend is found by asking
+    (``Guard.answer_home``)."""
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, tuple[str | None, str]] = OrderedDict()
+        self._entries: OrderedDict[str, ChainLink] = OrderedDict()
+
+    def get(self, answer_id: str) -> ChainLink | None:
+        entry = self._entries.get(answer_id)
+        if entry is not None:
+            self._entries.move_to_end(answer_id)
+        return entry
+
+    async def lookup(self, answer_id: str) -> ChainLink | None:
+        return self.get(answer_id)
 
     def conversation_of(self, answer_id: str) -> str:
-        entry = self._entries.get(answer_id)
-        if entry is None or entry[0] is None:
+        entry = self.get(answer_id)
+        if entry is None or entry.conversation is None:
             return hashlib.blake2b(answer_id.encode(), digest_size=16).hexdigest()
-        self._entries.move_to_end(answer_id)
-        return entry[0]
-
-    def backend_of(self, answer_id: str) -> str | None:
-        entry = self._entries.get(answer_id)
-        return entry[1] if entry is not None else None
+        return entry.conversation
 
     def remember(self, answer_id: str, conversation: str | None, backend: str) -> None:
-        self._entries[answer_id] = (conversation, backend)
+        self._entries[answer_id] = ChainLink(conversation, backend)
         self._entries.move_to_end(answer_id)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)

@@ -14,11 +14,12 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import orjson
 from multidict import CIMultiDict
 
+from gateway.apis import ApiAdapter
 from gateway.config import (
     AfterRelease,
     ExhaustedPolicy,
@@ -53,7 +54,7 @@ from gateway.guard.conversations import AnswerChains, SaltMemory, conversation_k
 from gateway.guard.release import hold_decision
 from gateway.guard.request import GuardedRequest, attempt_overrides, body_with
 from gateway.guard.salt import SaltLadder, fresh_salt
-from gateway.guard.shared_state import SharedSaltMemory
+from gateway.guard.shared_state import RedisLink, SharedAnswerChains, SharedSaltMemory
 from gateway.guard.stream import StallWatch, StreamState
 from gateway.guard.trace import Attempt, Trace
 from gateway.observe.evidence import EvidenceStore
@@ -95,17 +96,25 @@ class Guard:
         self.rng = rng or random.Random()
         self.budget = RetryBudget(settings.guard.budget)
         self.stalls = StallWatch(settings.upstream.timeouts.read_s)
-        local_salts = SaltMemory(settings.guard.salt_reuse)
-        #: Shared through Redis when ``state.redis_url`` is set (gateway.guard.shared_state).
+        salt_reuse = settings.guard.salt_reuse
+        local_salts = SaltMemory(salt_reuse)
+        local_chains = AnswerChains(salt_reuse.max_entries)
+        #: Redis, when ``state.redis_url`` is set: both memories shared through it
+        #: (gateway.guard.shared_state); else each process keeps its own.
+        self.redis = (
+            RedisLink(settings.state, metrics) if settings.state.redis_url is not None else None
+        )
         self.shared_salts = (
-            SharedSaltMemory(local_salts, settings.state, settings.guard.salt_reuse, metrics)
-            if settings.state.redis_url is not None
-            else None
+            SharedSaltMemory(local_salts, self.redis, salt_reuse) if self.redis else None
         )
         self.salts: SaltMemory | SharedSaltMemory = (
             local_salts if self.shared_salts is None else self.shared_salts
         )
-        self.chains = AnswerChains(settings.guard.salt_reuse.max_entries)
+        self.chains: AnswerChains | SharedAnswerChains = (
+            SharedAnswerChains(local_chains, self.redis, salt_reuse.ttl_s)
+            if self.redis
+            else local_chains
+        )
         key = settings.guard.salt_reuse.key
         self.ladder = SaltLadder(key.get_secret_value().encode() if key is not None else None)
         self._detectors: dict[str, Detector] = {}
@@ -156,11 +165,13 @@ class Guard:
     ) -> Answer:
         """Attempts until one may be released: retried while degenerate (salted, within
         the budget), failed over while the backend cannot be reached."""
+        continued = request.api.continues(request.body)
+        home = await self.answer_home(request.api, continued, headers) if continued else None
         trace, fingerprint = self._new_trace(request, started, client)
         trace.request_id = headers.get("x-request-id", "")
         self.budget.record_request()
         salt = await self._first_salt(trace)
-        backend = self._first_backend(trace, fingerprint)
+        backend = home or self._first_backend(fingerprint)
         # From here the request holds an in-flight count and, while a retry is under
         # way, a budget ticket: every exit below gives both back (``_abandon``), and a
         # streamed answer hands them to its relay (``StreamedAnswer.on_close``).
@@ -245,14 +256,12 @@ class Guard:
         self.metrics.salt_reuse.labels(trace.model, "first").inc()
         return salt
 
-    def _first_backend(self, trace: Trace, fingerprint: str | None) -> Backend:
-        """The backend holding a continued answer's history, else the pool's choice
-        (by conversation when routing is affine)."""
+    def _first_backend(self, fingerprint: str | None) -> Backend:
+        """The pool's choice: by conversation when routing is affine."""
         affinity = fingerprint if self.pool.conversation_affine else None
-        backend = self._backend_storing(trace.request) or self.pool.choose_first(
+        return self.pool.choose_first(
             self.settings.guard.canary_weight, self.rng, affinity=affinity
         )
-        return backend
 
     def _after_transport_failure(
         self, exc: GatewayError, backend: Backend, trace: Trace, headers: CIMultiDict[str]
@@ -300,16 +309,29 @@ class Guard:
         )  # fmt: skip
         return retrying
 
-    def _backend_storing(self, request: GuardedRequest) -> Backend | None:
-        """For a request that continues a stored answer (``previous_response_id``): the
-        backend that made it, which holds the history, while it is healthy."""
-        continued = request.api.continues(request.body)
-        return self.backend_storing_answer(continued) if continued is not None else None
+    async def answer_home(
+        self, api: ApiAdapter, answer_id: str, headers: Mapping[str, str]
+    ) -> Backend | None:
+        """The healthy backend that stores the answer ``answer_id`` (Responses: a
+        follow-up by ``previous_response_id``, GET and cancel of the id must go there).
 
-    def backend_storing_answer(self, answer_id: str) -> Backend | None:
-        """The healthy backend that made the answer ``answer_id`` (Responses' GET and
-        cancel), if this process released it."""
-        return self.pool.healthy_named(self.chains.backend_of(answer_id))
+        Remembered by this process or, with Redis, by any; else (no Redis, an expired
+        entry, the pod gone) found by asking every healthy backend for it, and
+        remembered. None when no backend holds it (the request goes where routing
+        sends it, and vLLM answers its 404)."""
+        chain = await self.chains.lookup(answer_id)
+        if chain is not None and (known := self.pool.healthy_with_identity(chain.backend)):
+            self.metrics.answer_homes.labels("remembered").inc()
+            return known
+        path = api.stored_path(answer_id)
+        if path is None or sum(b.healthy for b in self.pool.backends) < 2:
+            return None  # one backend: routing has no other choice to make
+        found = await self.pool.first_holding(path, headers)
+        self.metrics.answer_homes.labels("asked" if found else "not_found").inc()
+        if found is not None:
+            conversation = chain.conversation if chain is not None else None
+            self.chains.remember(answer_id, conversation, found.identity)
+        return found
 
     def _fingerprint(self, request: GuardedRequest) -> str | None:
         continued = request.api.continues(request.body)
@@ -567,7 +589,7 @@ class Guard:
             answer_id = trace.request.api.answer_id(attempt.payload or {})
         if answer_id is not None:
             conversation = self.conversation(trace) or self._fingerprint(trace.request)
-            self.chains.remember(answer_id, conversation, attempt.backend.name)
+            self.chains.remember(answer_id, conversation, attempt.backend.identity)
 
     def client_left_before_response(self, request: GuardedRequest) -> None:
         """The client disconnected while the gateway was still working on its answer."""

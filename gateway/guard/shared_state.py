@@ -1,29 +1,34 @@
-"""Conversation memory shared by every worker and replica, in Redis (or Valkey).
+"""What every worker and replica must know alike, shared in Redis (or Valkey).
 
-``gateway.guard.conversations.SaltMemory`` knows, per conversation fingerprint, which rung of the
-conversation's salt ladder last gave a clean answer. Kept per process, a turn that
-lands on another worker or replica does not know its chain is poisoned: it goes
-unsalted, gets the corrupt answer again and retries. With ``state.redis_url`` the
-memory is also kept in Redis, the engine operators already run for cross-replica
-state:
+Two memories, each kept per process and, with ``state.redis_url``, also in Redis,
+the engine operators already run for cross-replica state:
 
-* one read per guarded request that has a conversation key (a ``GET`` within
-  ``state.lookup_timeout_ms``; the reads of one event-loop pass go as one ``MGET``,
-  ``gateway.guard.redis_lookups``), which also refreshes the local memory;
-* one write when a conversation changes rung (``SET`` with the salt memory's TTL;
-  again when a process's own entry is past half its TTL),
-  and a compare-and-delete when corruption recurs under a salt; both leave the
-  request's path at once (background tasks);
-* keys ``<key_prefix>salt:<fingerprint>`` (a fingerprint is a 128-bit hash), values
-  ``<rung>:<salt>``; the ladder's key is never stored.
+* **the salt memory** (``SharedSaltMemory``): per conversation fingerprint, which
+  rung of the conversation's salt ladder last gave a clean answer. Kept per process
+  only, a turn that lands on another worker or replica does not know its chain is
+  poisoned: it goes unsalted, gets the corrupt answer again and retries. Keys
+  ``<key_prefix>salt:<fingerprint>`` (a 128-bit hash), values ``<rung>:<salt>``
+  (the ladder's key is never stored); one ``SET`` when a conversation changes rung
+  (again when a process's own entry is past half its TTL), a compare-and-delete
+  when corruption recurs under a salt.
+* **the answer chains** (``SharedAnswerChains``): per stored Responses answer id,
+  the pod that made it (its address: every replica names pods alike) and its
+  conversation. vLLM keeps a stored answer in the memory of one server; a follow-up
+  (``previous_response_id``), a ``GET`` or a ``cancel`` anywhere else is a 404.
+  Keys ``<key_prefix>answer:<id>``, values ``<pod URL> <conversation>``, one ``SET``
+  per stored answer, with the salt memory's TTL.
 
-Redis is never on the request's failure path: a lookup past its deadline, or any
-error, answers from the local memory and is counted in
-``vllm_guard_state_errors_total{op}``. Three failures in a row, or a lost
-connection, stop the lookups: logged once, ``vllm_guard_state_shared`` drops to 0,
-and the connection is tried again in the background every ``state.reconnect_s``
-until Redis answers. Every command goes through redis-py, so the URL means the same
-for reads and writes (``redis://user:pw@host/3``, ``?password=..&db=..``,
+Both read through one ``RedisLink``: a lookup is a ``GET`` within
+``state.lookup_timeout_ms`` (the reads of one event-loop pass go as one ``MGET``,
+``gateway.guard.redis_lookups``) that also refreshes the local memory; writes leave
+the request's path at once (background tasks). Redis is never on the request's
+failure path: a lookup past its deadline, or any error, answers from the local
+memory and is counted in ``vllm_guard_state_errors_total{op}``. Three failures in a
+row, or a lost connection, stop the lookups: logged once,
+``vllm_guard_state_shared`` drops to 0, and the connection is tried again in the
+background every ``state.reconnect_s`` until Redis answers. Every command goes
+through redis-py, so the URL means the same for reads and writes
+(``redis://user:pw@host/3``, ``?password=..&db=..``,
 ``rediss://..?ssl_ca_certs=..&ssl_certfile=..&ssl_keyfile=..``), and the memory
 counts as shared (``vllm_guard_state_shared`` 1) only once Redis has answered.
 """
@@ -40,7 +45,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.config import SaltReuseSettings, StateSettings
-from gateway.guard.conversations import SaltMemory
+from gateway.guard.conversations import AnswerChains, ChainLink, SaltMemory
 from gateway.guard.redis_lookups import BatchedGet
 from gateway.observe.metrics import Metrics
 
@@ -61,26 +66,21 @@ return 0
 FAILURES_BEFORE_FALLBACK = 3
 #: Longest wait for a background write or a reconnection probe.
 _BACKGROUND_TIMEOUT_S = 1.0
+#: Longer ids (a client's invention: vLLM's are ~40 characters) are not looked up.
+MAX_SHARED_ANSWER_ID = 256
 #: What a lookup's future holds when its deadline passed first.
 TOO_LATE = object()
 
 
-class SharedSaltMemory:
-    """The salt memory, shared through Redis, with this process's own as its fallback."""
+class RedisLink:
+    """The connection to Redis every shared memory reads and writes through, and its
+    health: while it is not ``healthy`` the memories answer from their own."""
 
-    def __init__(
-        self,
-        local: SaltMemory,
-        settings: StateSettings,
-        salt_reuse: SaltReuseSettings,
-        metrics: Metrics,
-    ) -> None:
+    def __init__(self, settings: StateSettings, metrics: Metrics) -> None:
         assert settings.redis_url is not None
-        self.local = local
         self.metrics = metrics
-        self.prefix = settings.key_prefix + "salt:"
+        self.key_prefix = settings.key_prefix
         self.timeout_s = settings.lookup_timeout_ms / 1000
-        self.ttl_s = max(1, round(salt_reuse.ttl_s))
         self.reconnect_s = settings.reconnect_s
         self.client = redis.asyncio.Redis.from_url(
             settings.redis_url.get_secret_value(),
@@ -88,8 +88,8 @@ class SharedSaltMemory:
             socket_timeout=_BACKGROUND_TIMEOUT_S,
         )
         self.reads = BatchedGet(self.client)
-        #: Redis answered the last ping and has not failed since (the local memory
-        #: answers meanwhile); until ``connect`` succeeds nothing is shared.
+        #: Redis answered the last ping and has not failed since; until ``connect``
+        #: succeeds nothing is shared.
         self.healthy = False
         #: Failures since the last success: a lookup that misses its deadline once is
         #: answered locally; FAILURES_BEFORE_FALLBACK in a row (or a lost connection)
@@ -109,56 +109,37 @@ class SharedSaltMemory:
         else:
             self._shared()
 
-    def __len__(self) -> int:
-        """Entries this process can see: while Redis is in use, any conversation may
-        have one (the guard then fingerprints every request)."""
-        return max(len(self.local), 1) if self.healthy else len(self.local)
-
-    async def lookup(self, key: str | None) -> tuple[str, int] | None:
-        """The conversation's known-clean (salt, rung): Redis's word when it answers in
-        time, else this process's own."""
-        if key is None:
+    async def get(self, key: str) -> bytes | str | None:
+        """Redis's value of ``key`` when it answers in time; None for a missing key
+        and when it does not (the failure counted)."""
+        if not self.healthy:
             return None
-        if self.healthy:
-            reply = self.reads.get(self.prefix + key)
-            loop = asyncio.get_running_loop()
-            deadline = loop.call_later(self.timeout_s, _expire_after_pending_io, reply, 2)
-            try:
-                raw = await reply
-            except (OSError, RedisError) as exc:
-                self._failed("get", exc)
-            else:
-                if raw is TOO_LATE:
-                    self._failed("get", TimeoutError())
-                else:
-                    self._failures_in_a_row = 0
-                    entry = _decode(raw)
-                    if entry is not None:
-                        self.local.remember(key, *entry)
-                        return entry
-            finally:
-                deadline.cancel()
-        return self.local.get(key)
+        reply = self.reads.get(key)
+        loop = asyncio.get_running_loop()
+        deadline = loop.call_later(self.timeout_s, _expire_after_pending_io, reply, 2)
+        try:
+            raw = await reply
+        except (OSError, RedisError) as exc:
+            self._failed("get", exc)
+            return None
+        finally:
+            deadline.cancel()
+        if raw is TOO_LATE:
+            self._failed("get", TimeoutError())
+            return None
+        self._failures_in_a_row = 0
+        return raw if isinstance(raw, bytes | str) else None
 
-    def get(self, key: str | None) -> tuple[str, int] | None:
-        """This process's memory only (refreshed by ``lookup`` at the request's start)."""
-        return self.local.get(key)
+    def background(self, op: str, command: Awaitable[Any]) -> None:
+        """Run a write off the request's path; its failure is counted."""
 
-    def remember(self, key: str | None, salt: str, rung: int = 0) -> bool:
-        """Remember locally; tell Redis only news (a changed rung, or a refresh of the
-        entry's time to live): a conversation that stays on its rung is not a write
-        per turn."""
-        news = self.local.remember(key, salt, rung)
-        if key is not None and self.healthy and news:
-            value = f"{rung}:{salt}"
-            self._background("set", self.client.set(self.prefix + key, value, ex=self.ttl_s))
-        return news
+        async def run() -> None:
+            if (exc := await _bounded(command)) is not None:
+                self._failed(op, exc)
 
-    def forget(self, key: str | None, salt: str) -> None:
-        self.local.forget(key, salt)
-        if key is not None and self.healthy:
-            forget = self.client.eval(_FORGET_IF_SAME, 1, self.prefix + key, salt)
-            self._background("forget", forget)
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def close(self) -> None:
         for task in [*self._tasks, *([self._reconnecting] if self._reconnecting else [])]:
@@ -167,15 +148,6 @@ class SharedSaltMemory:
         await self.client.aclose()
 
     # -- failures -----------------------------------------------------------------------
-
-    def _background(self, op: str, command: Awaitable[Any]) -> None:
-        async def run() -> None:
-            if (exc := await _bounded(command)) is not None:
-                self._failed(op, exc)
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self.metrics.state_errors.labels(op).inc()
@@ -215,6 +187,91 @@ class SharedSaltMemory:
             return
 
 
+class SharedSaltMemory:
+    """The salt memory, shared through Redis, with this process's own as its fallback."""
+
+    def __init__(self, local: SaltMemory, link: RedisLink, salt_reuse: SaltReuseSettings) -> None:
+        self.local = local
+        self.link = link
+        self.prefix = link.key_prefix + "salt:"
+        self.ttl_s = max(1, round(salt_reuse.ttl_s))
+
+    def __len__(self) -> int:
+        """Entries this process can see: while Redis is in use, any conversation may
+        have one (the guard then fingerprints every request)."""
+        return max(len(self.local), 1) if self.link.healthy else len(self.local)
+
+    async def lookup(self, key: str | None) -> tuple[str, int] | None:
+        """The conversation's known-clean (salt, rung): Redis's word when it answers in
+        time, else this process's own."""
+        if key is None:
+            return None
+        entry = _decode_salt(await self.link.get(self.prefix + key))
+        if entry is not None:
+            self.local.remember(key, *entry)
+            return entry
+        return self.local.get(key)
+
+    def get(self, key: str | None) -> tuple[str, int] | None:
+        """This process's memory only (refreshed by ``lookup`` at the request's start)."""
+        return self.local.get(key)
+
+    def remember(self, key: str | None, salt: str, rung: int = 0) -> bool:
+        """Remember locally; tell Redis only news (a changed rung, or a refresh of the
+        entry's time to live): a conversation that stays on its rung is not a write
+        per turn."""
+        news = self.local.remember(key, salt, rung)
+        if key is not None and self.link.healthy and news:
+            command = self.link.client.set(self.prefix + key, f"{rung}:{salt}", ex=self.ttl_s)
+            self.link.background("set", command)
+        return news
+
+    def forget(self, key: str | None, salt: str) -> None:
+        self.local.forget(key, salt)
+        if key is not None and self.link.healthy:
+            forget = self.link.client.eval(_FORGET_IF_SAME, 1, self.prefix + key, salt)
+            self.link.background("forget", forget)
+
+
+class SharedAnswerChains:
+    """Where each stored Responses answer lives (its pod and conversation), shared
+    through Redis, with this process's own ``AnswerChains`` as its fallback."""
+
+    def __init__(self, local: AnswerChains, link: RedisLink, ttl_s: float) -> None:
+        self.local = local
+        self.link = link
+        self.prefix = link.key_prefix + "answer:"
+        self.ttl_s = max(1, round(ttl_s))
+
+    def get(self, answer_id: str) -> ChainLink | None:
+        return self.local.get(answer_id)
+
+    async def lookup(self, answer_id: str) -> ChainLink | None:
+        """This process's entry, else Redis's (then kept locally)."""
+        known = self.local.get(answer_id)
+        if known is not None or len(answer_id) > MAX_SHARED_ANSWER_ID:
+            return known
+        raw = await self.link.get(self.prefix + answer_id)
+        if raw is None:
+            return None
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        backend, _, conversation = text.partition(" ")
+        if not backend:
+            return None
+        self.local.remember(answer_id, conversation or None, backend)
+        return self.local.get(answer_id)
+
+    def remember(self, answer_id: str, conversation: str | None, backend: str) -> None:
+        self.local.remember(answer_id, conversation, backend)
+        if self.link.healthy:
+            value = f"{backend} {conversation or ''}"
+            command = self.link.client.set(self.prefix + answer_id, value, ex=self.ttl_s)
+            self.link.background("set", command)
+
+    def conversation_of(self, answer_id: str) -> str:
+        return self.local.conversation_of(answer_id)
+
+
 async def _bounded(command: Awaitable[Any]) -> BaseException | None:
     """Await a command within _BACKGROUND_TIMEOUT_S; its failure, or None."""
     try:
@@ -238,7 +295,7 @@ def _expire_after_pending_io(reply: asyncio.Future[object], passes: int) -> None
         reply.set_result(TOO_LATE)
 
 
-def _decode(raw: object) -> tuple[str, int] | None:
+def _decode_salt(raw: object) -> tuple[str, int] | None:
     if not isinstance(raw, bytes | str):
         return None
     text = raw.decode() if isinstance(raw, bytes) else raw

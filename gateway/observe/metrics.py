@@ -178,6 +178,15 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        self.answer_homes = Counter(
+            "vllm_guard_answer_homes",
+            "Requests for a stored Responses answer (a follow-up by previous_response_id, "
+            "GET, cancel) with several backends to choose from, by how its backend was "
+            "found: remembered (by this process, or by any through Redis), asked (every "
+            "healthy backend asked whether it holds it), not_found (none does).",
+            ["source"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "vllm_guard_prompt_tokens",
             "Prompt tokens of every attempt, by that attempt's verdict.",

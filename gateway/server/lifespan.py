@@ -63,8 +63,8 @@ def runtime_lifespan(
         evidence = open_evidence(settings)
         guard = Guard(settings, pool, metrics, evidence=evidence, version_of=scraper.version_of)
         attach(app, Runtime(settings, pool, metrics, guard))
-        if guard.shared_salts is not None:
-            await guard.shared_salts.connect()
+        if guard.redis is not None:
+            await guard.redis.connect()
         pool.on_departed.append(metrics.forget_backend)
         await pool.discover()
         await pool.check_all(initial=True)
@@ -79,8 +79,8 @@ def runtime_lifespan(
         finally:
             await scraper.stop()
             await pool.stop()
-            if guard.shared_salts is not None:
-                await guard.shared_salts.close()
+            if guard.redis is not None:
+                await guard.redis.close()
 
     return lifespan
 
@@ -110,7 +110,7 @@ def log_start(settings: Settings, guard: Guard, backends: list[str]) -> None:
             "so other workers and replicas retry a conversation in other cache "
             "namespaces (set the key to share them)"
         )
-    if settings.server.workers > 1 and guard.shared_salts is None:
+    if settings.server.workers > 1 and guard.redis is None:
         log.info(
             "state.redis_url is not set: the %d workers each keep their own conversation "
             "memory (a turn on another worker retries before it finds the clean salt)",

@@ -13,6 +13,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from gateway.apis import BY_NAME
 from gateway.config import Settings
 from gateway.errors import GatewayError
 from gateway.observe import logs
@@ -26,6 +27,9 @@ from gateway.upstream.pool import forward_headers, map_transport_errors, respons
 log = logging.getLogger("vllm_guard")
 
 ProxyRoute = Callable[[Request, str], Awaitable[Response]]
+
+#: The API whose stored answers have paths of their own (``stored_answer_id``).
+RESPONSES = BY_NAME["responses"]
 
 
 def unguarded_proxy(settings: Settings, runtime: Callable[[Request], Runtime]) -> ProxyRoute:
@@ -45,16 +49,16 @@ def unguarded_proxy(settings: Settings, runtime: Callable[[Request], Runtime]) -
                 if request.method not in ("GET", "HEAD")
                 else None
             )
-            stored = stored_answer_id(path)
-            backend = (
-                state.guard.backend_storing_answer(stored) if stored else None
-            ) or state.pool.choose_first(0.0, state.guard.rng)
             headers = forward_headers(
                 request.headers.raw,
                 request_id=request_id,
                 api_key=settings.upstream.api_key,
                 drop=drop,
             )
+            stored = stored_answer_id(path)
+            backend = (
+                await state.guard.answer_home(RESPONSES, stored, headers) if stored else None
+            ) or state.pool.choose_first(0.0, state.guard.rng)
             upstream = await backend.open(
                 request.method,
                 raw_path.decode("latin-1"),

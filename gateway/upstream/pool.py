@@ -345,9 +345,31 @@ class BackendPool:
     def names(self) -> list[str]:
         return [b.name for b in self.backends]
 
-    def healthy_named(self, name: str | None) -> Backend | None:
-        """The backend of that name, if it exists and is healthy."""
-        return next((b for b in self.backends if b.name == name and b.healthy), None)
+    def healthy_with_identity(self, identity: str | None) -> Backend | None:
+        """The backend known by that identity (``Backend.identity``), if it is in the
+        pool and healthy."""
+        return next((b for b in self.backends if b.identity == identity and b.healthy), None)
+
+    async def first_holding(self, path: str, headers: Mapping[str, str]) -> Backend | None:
+        """The healthy backend that answers ``GET path`` with 200, asked all at once:
+        where a stored answer lives when nobody remembers (vLLM answers 404 for an
+        answer it does not hold). A GET is harmless to repeat; the request it is
+        for is sent once, to the backend found."""
+        candidates = [b for b in self.backends if b.healthy]
+        timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
+
+        async def holds(backend: Backend) -> bool:
+            try:
+                async with self.session.get(
+                    backend.url + path, headers=headers, timeout=timeout, allow_redirects=False
+                ) as response:
+                    await response.read()
+                    return response.status == 200
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                return False
+
+        found = await asyncio.gather(*(holds(b) for b in candidates))
+        return next((b for b, ok in zip(candidates, found, strict=True) if ok), None)
 
     def any_healthy(self) -> bool:
         return any(b.healthy for b in self.backends)

@@ -16,7 +16,14 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import GatewayFactory, RunningVLLM, openai_client, scraped_metric
+from conftest import (
+    GatewayFactory,
+    RunningRedis,
+    RunningVLLM,
+    openai_client,
+    scraped_metric,
+    wait_for,
+)
 from support.workload import is_corrupt, long_prompt
 
 from gateway.server.auth import hash_key
@@ -157,6 +164,43 @@ def test_responses_next_turn_by_previous_response_id_starts_on_the_clean_rung(
     assert second.headers["x-vllm-guard-attempts"] == "1"
     assert second.headers["x-vllm-guard-verdict"] == "clean"
     assert not is_corrupt(second.parse().output_text)
+
+
+def test_responses_next_turn_on_another_replica_starts_on_the_clean_rung(
+    vllm: RunningVLLM, gateway_for: GatewayFactory, redis_server: RunningRedis
+) -> None:
+    """Two replicas share Redis. Replica A recovers an answer; the agent's next turn
+    (``previous_response_id``) lands on replica B, which learns the answer's
+    conversation (and its pod) from Redis: its first attempt goes out on the clean
+    rung. Before issue 32 B keyed the turn on the id itself, went unsalted into the
+    poisoned blocks and needed a retry. Then GET of the stored answer through either
+    replica is vLLM's own 200."""
+    shared = {
+        "guard": {**GENEROUS_BUDGET["guard"], "salt_reuse": {"key": "replica-key"}},
+        "state": {"redis_url": redis_server.url, "lookup_timeout_ms": 1000},
+    }
+    a, b = gateway_for(vllm.url, **shared), gateway_for(vllm.url, **shared)
+    prompt = fresh_prompt()
+    openai_client(vllm.url).responses.create(model=vllm.model, input=prompt, max_output_tokens=1)
+    unsalted_only = poison("bang", vg_poison_unsalted_only=True)
+    first = openai_client(a.url).responses.with_raw_response.create(
+        model=vllm.model, input=prompt, max_output_tokens=8, temperature=0, store=True,
+        extra_body=unsalted_only,
+    )  # fmt: skip
+    assert first.headers["x-vllm-guard-verdict"] == "recovered"
+    made = first.parse().id
+    assert wait_for(
+        lambda: redis_server.command("EXISTS", f"vllm-guard:answer:{made}") == b":1\r\n", 5
+    )
+    second = openai_client(b.url).responses.with_raw_response.create(
+        model=vllm.model, input="and then?", max_output_tokens=8, temperature=0,
+        previous_response_id=made, extra_body=unsalted_only,
+    )  # fmt: skip
+    assert second.headers["x-vllm-guard-attempts"] == "1"
+    assert second.headers["x-vllm-guard-verdict"] == "clean"
+    assert not is_corrupt(second.parse().output_text)
+    for gateway in (a, b):
+        assert openai_client(gateway.url).responses.retrieve(made).id == made
 
 
 def test_responses_background_is_passed_through_unguarded_and_counted(

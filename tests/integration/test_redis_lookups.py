@@ -19,7 +19,7 @@ from support.servers import free_port
 from gateway.config import SaltReuseSettings, StateSettings
 from gateway.guard.conversations import SaltMemory
 from gateway.guard.redis_lookups import BatchedGet
-from gateway.guard.shared_state import TOO_LATE, SharedSaltMemory
+from gateway.guard.shared_state import TOO_LATE, RedisLink, SharedSaltMemory
 from gateway.observe.metrics import Metrics
 
 Run = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -43,10 +43,12 @@ def redis_with_password() -> Iterator[RunningRedis]:
 
 
 def memory(url: str) -> tuple[SharedSaltMemory, Metrics]:
+    """One process's salt memory, shared through Redis at ``url``."""
     metrics = Metrics(CollectorRegistry(), models=[], backends=[])
     salt_reuse = SaltReuseSettings()
     state = StateSettings.model_validate({"redis_url": url, "lookup_timeout_ms": 1000})
-    return SharedSaltMemory(SaltMemory(salt_reuse), state, salt_reuse, metrics), metrics
+    link = RedisLink(state, metrics)
+    return SharedSaltMemory(SaltMemory(salt_reuse), link, salt_reuse), metrics
 
 
 def gauge(metrics: Metrics, name: str, **labels: str) -> float:
@@ -120,8 +122,8 @@ def test_every_url_form_reads_where_it_writes(redis_with_password: RunningRedis,
         writer, _ = memory(url)
         reader, metrics = memory(url)
         try:
-            await writer.connect()
-            await reader.connect()
+            await writer.link.connect()
+            await reader.link.connect()
             writer.remember("conversation-1", "vg.rung-2", 2)
             for _ in range(100):  # the write leaves in the background
                 if b"vg.rung-2" in server.command("GET", "vllm-guard:salt:conversation-1", db=3):
@@ -130,8 +132,8 @@ def test_every_url_form_reads_where_it_writes(redis_with_password: RunningRedis,
             found = await reader.lookup("conversation-1")
             return found, gauge(metrics, "vllm_guard_state_shared")
         finally:
-            await writer.close()
-            await reader.close()
+            await writer.link.close()
+            await reader.link.close()
 
     found, shared = asyncio.run(scenario())
     assert found == ("vg.rung-2", 2)
@@ -151,7 +153,7 @@ def test_a_refused_connection_is_never_reported_shared(
     async def scenario() -> tuple[float, float, object]:
         shared, metrics = memory(wrong.format(port=redis_with_password.port))
         try:
-            await shared.connect()
+            await shared.link.connect()
             shared.local.remember("conversation-1", "vg.local", 1)
             found = await shared.lookup("conversation-1")
             return (
@@ -160,7 +162,7 @@ def test_a_refused_connection_is_never_reported_shared(
                 found,
             )
         finally:
-            await shared.close()
+            await shared.link.close()
 
     assert asyncio.run(scenario()) == (0.0, 1.0, ("vg.local", 1))
 

@@ -124,6 +124,21 @@ def aborted_body(*, with_length: bool) -> Response:
     return StreamingResponse(body(), media_type="application/json", headers=headers)
 
 
+def stored_response_id(path: str) -> str | None:
+    """The id in ``/v1/responses/{id}`` or ``/v1/responses/{id}/cancel``."""
+    parts = path.split("/")
+    addressed = len(parts) == 4 or (len(parts) == 5 and parts[4] == "cancel")
+    return parts[3] if addressed and parts[1:3] == ["v1", "responses"] else None
+
+
+def response_not_found(answer_id: str) -> Response:
+    """vLLM's answer for a stored response it does not hold (its
+    ``_make_not_found_error``, 0.32): for a follow-up, a GET and a cancel alike."""
+    error = {"message": f"Response with id '{answer_id}' not found.",
+             "type": "invalid_request_error", "param": "response_id", "code": 404}  # fmt: skip
+    return JSONResponse({"error": error}, status_code=404)
+
+
 class StubState:
     def __init__(self) -> None:
         self.requests: list[dict[str, object]] = []
@@ -136,6 +151,11 @@ class StubState:
         self.open_streams = 0
         #: When set, every completion request plays this scenario (the header aside).
         self.forced_scenario: str | None = None
+        #: Ids of the Responses answers this stub made: it alone holds them (vLLM's
+        #: store is in the memory of the server that made the answer).
+        self.stored: set[str] = set()
+        #: Paths of the requests for a stored answer this stub does not hold (404).
+        self.not_found: list[str] = []
 
 
 def build_app(state: StubState) -> Starlette:
@@ -199,10 +219,16 @@ def build_app(state: StubState) -> Starlette:
         body = orjson.loads(await request.body())
         state.requests.append(body)
         scenario = request.headers.get("x-stub-scenario", "clean")
+        previous = body.get("previous_response_id")
+        if request.url.path == "/v1/responses" and previous and previous not in state.stored:
+            return response_not_found(previous)
         if not body.get("stream") and request.url.path == "/v1/responses":
             # A whole answer with an id that names this stub (where it is stored).
             port = request.url.port
-            answer = {"id": f"resp_{port}_{len(state.requests)}", "object": "response",
+            host = (request.url.hostname or "").replace(".", "")  # several pods, one port
+            answer_id = f"resp_{port}_{len(state.requests)}_{host}"
+            state.stored.add(answer_id)
+            answer = {"id": answer_id, "object": "response",
                       "status": "completed", "output": [{"type": "message", "content": [
                           {"type": "output_text", "text": "".join(CLEAN_WORDS)}]}],
                       "usage": {"input_tokens": 5, "output_tokens": 10}}  # fmt: skip
@@ -261,6 +287,10 @@ def build_app(state: StubState) -> Starlette:
     async def anything(request: Request) -> Response:
         if request.url.path in SCRAPED_PATHS:  # the gateway's own backend scrape
             return Response(b"{}", media_type="application/json")
+        stored = stored_response_id(request.url.path)
+        if stored is not None and stored not in state.stored:
+            state.not_found.append(request.url.path)
+            return response_not_found(stored)
         state.paths.append(request.url.path)
         state.headers.append({":path": request.url.path, **request.headers})
         state.raw_headers.append(request.headers.items())
