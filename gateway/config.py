@@ -91,7 +91,12 @@ class UpstreamSettings(_Strict):
     #: (VLLM_GUARD_UPSTREAM__API_KEY); never printed.
     api_key: SecretStr | None = None
     timeouts: TimeoutSettings = TimeoutSettings()
-    max_connections: Annotated[int, Field(ge=1)] = 512
+    #: Most connections to one backend (one vLLM pod), streams included; more
+    #: requests wait in the gateway for one (vllm_guard_upstream_connection_wait_seconds).
+    #: Size it to what one pod runs and queues: vLLM's --max-num-seqs (its default:
+    #: 256, or 1024 on large GPUs) plus the requests it should queue itself. There
+    #: is no cap on all backends together.
+    max_connections_per_backend: Annotated[int, Field(ge=1)] = 1024
     #: Idle upstream connections are closed after this long; keep it below the
     #: backend's keep-alive timeout (vLLM/uvicorn: 5 s).
     keepalive_s: Annotated[float, Field(gt=0)] = 4.0
@@ -109,6 +114,16 @@ class UpstreamSettings(_Strict):
     #: Largest single SSE event accepted from a backend (a longer one is a 502, or an
     #: in-band error once the stream is released). vLLM's events are a few hundred bytes.
     max_sse_event_bytes: Annotated[int, Field(ge=1024)] = 8 * 1024 * 1024
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_connections" in data:
+            raise ValueError(
+                "upstream.max_connections is now upstream.max_connections_per_backend: "
+                "a limit per backend (vLLM pod), with no cap on all of them together"
+            )
+        return data
 
     @model_validator(mode="after")
     def _unique_names(self) -> Self:

@@ -243,6 +243,15 @@ class Metrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self.connection_wait = Histogram(
+            "vllm_guard_upstream_connection_wait_seconds",
+            "Time each request to a backend waited in the gateway for a free connection "
+            "to it (every connection to that pod taken: upstream."
+            "max_connections_per_backend); 0 for a request that found one.",
+            ["backend"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
         self.ttft = Histogram(
             "vllm_guard_time_to_first_token_seconds",
             "Streams: time from request received to the first byte sent to the client.",
@@ -341,9 +350,10 @@ class Metrics:
         no ``== 0`` alert matches, until the slot is taken again."""
         for gauge in (self.backend_up, self.backend_hit_ratio):
             gauge.labels(name).set(math.nan)
+        for metric in (self.backend_up, self.backend_hit_ratio, self.connection_wait):
             with contextlib.suppress(KeyError):
-                gauge.remove(name)
-            getattr(gauge, "_remembered", {}).pop((name,), None)
+                metric.remove(name)
+            getattr(metric, "_remembered", {}).pop((name,), None)
 
     def count_answered(self, endpoint: str, error: GatewayError) -> None:
         """A request the gateway answered itself (when ``error`` is one it answers)."""

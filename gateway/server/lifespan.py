@@ -66,6 +66,9 @@ def runtime_lifespan(
         if guard.redis is not None:
             await guard.redis.connect()
         pool.on_departed.append(metrics.forget_backend)
+        pool.on_connection_wait = lambda backend, waited: metrics.connection_wait.labels(
+            backend
+        ).observe(waited)
         await pool.discover()
         await pool.check_all(initial=True)
         await scraper.scrape_once()

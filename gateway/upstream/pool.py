@@ -162,7 +162,12 @@ class Backend:
         try:
             try:
                 return await self.session.request(
-                    method, url, headers=headers, data=body, allow_redirects=False
+                    method,
+                    url,
+                    headers=headers,
+                    data=body,
+                    allow_redirects=False,
+                    trace_request_ctx=self,
                 )
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if (
@@ -240,7 +245,12 @@ def _transport_error(backend: Backend, exc: TimeoutError | aiohttp.ClientError) 
     return BackendUnreachable(f"backend {backend.name} request failed")
 
 
-def new_session(settings: UpstreamSettings, *, pooled: bool = True) -> aiohttp.ClientSession:
+def new_session(
+    settings: UpstreamSettings,
+    *,
+    pooled: bool = True,
+    trace_configs: list[aiohttp.TraceConfig] | None = None,
+) -> aiohttp.ClientSession:
     timeouts = settings.timeouts
     # Below uvicorn's (vLLM's server) 5 s keep-alive, so the gateway drops an idle
     # connection before the backend does.
@@ -248,8 +258,10 @@ def new_session(settings: UpstreamSettings, *, pooled: bool = True) -> aiohttp.C
         {"keepalive_timeout": settings.keepalive_s} if pooled else {"force_close": True}
     )
     connector = aiohttp.TCPConnector(
-        limit=settings.max_connections,
-        limit_per_host=settings.max_connections,
+        # Per pod (a pod is a host: its address), none for all together: a cap on the
+        # whole fleet made requests queue in the gateway while pods had room.
+        limit=0,
+        limit_per_host=settings.max_connections_per_backend,
         ttl_dns_cache=300,
         enable_cleanup_closed=True,
         **keepalive,
@@ -269,6 +281,7 @@ def new_session(settings: UpstreamSettings, *, pooled: bool = True) -> aiohttp.C
         cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"),
         read_bufsize=2**16,
+        trace_configs=trace_configs,
     )
 
 
@@ -277,7 +290,10 @@ class BackendPool:
 
     def __init__(self, settings: UpstreamSettings) -> None:
         self.settings = settings
-        self.session = new_session(settings)
+        #: Told how long each request waited for a connection to its backend (name,
+        #: seconds): set by the server once its metrics exist.
+        self.on_connection_wait: Callable[[str, float], None] | None = None
+        self.session = new_session(settings, trace_configs=[self._connection_wait_trace()])
         self.fresh_session = new_session(settings, pooled=False)
         self.backends = [
             Backend(b, self.session, self.fresh_session)
@@ -292,6 +308,29 @@ class BackendPool:
         self._index()
         self._health = Periodic(settings.health_interval_s, self.check_all, "health check")
         self._discovery = Periodic(settings.discovery_interval_s, self.discover, "discovery")
+
+    def _connection_wait_trace(self) -> aiohttp.TraceConfig:
+        """aiohttp's public tracing: a request that finds every connection to its backend
+        taken waits in the connector's queue (``upstream.max_connections_per_backend``).
+        Its wait (0 for most) is told to ``on_connection_wait`` when it gets a
+        connection: a pooled one, or a new one."""
+        trace = aiohttp.TraceConfig()
+
+        async def queued(_: object, context: Any, __: object) -> None:
+            context.queued_at = asyncio.get_running_loop().time()
+
+        async def connected(_: object, context: Any, __: object) -> None:
+            backend = context.trace_request_ctx
+            if self.on_connection_wait is None or not isinstance(backend, Backend):
+                return
+            queued_at = getattr(context, "queued_at", None)
+            now = asyncio.get_running_loop().time() if queued_at is not None else 0.0
+            self.on_connection_wait(backend.name, 0.0 if queued_at is None else now - queued_at)
+
+        trace.on_connection_queued_start.append(queued)
+        trace.on_connection_reuseconn.append(connected)
+        trace.on_connection_create_end.append(connected)
+        return trace
 
     def _index(self) -> None:
         self.primaries = [b for b in self.backends if b.settings.role is BackendRole.PRIMARY]
