@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import atexit
+import contextlib
 import logging
 import logging.config
 import os
@@ -11,13 +13,21 @@ import secrets
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
 from pydantic import SecretStr
 
 from gateway import __version__
-from gateway.config import ConfigError, EvidenceSettings, Settings, load_settings
+from gateway.config import (
+    RESOLVED_SETTINGS_FILE_ENV,
+    ConfigError,
+    EvidenceSettings,
+    Settings,
+    load_settings,
+)
 
 
 def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -88,10 +98,6 @@ def serve(args: argparse.Namespace) -> int:
         print(f"vllm-guard: warning: {warning}", file=sys.stderr)
     _prepare_multiprocess_metrics(settings)
     tune_malloc()
-    import uvicorn
-
-    from gateway.config import RESOLVED_SETTINGS_ENV
-
     if settings.metrics.enabled and settings.metrics.port is not None:
         from gateway.server.metrics_port import serve_metrics_port
 
@@ -99,15 +105,24 @@ def serve(args: argparse.Namespace) -> int:
             settings.metrics.host, settings.metrics.port, settings.metrics.api_key_sha256
         )
     settings = with_workers_key(settings)
-    os.environ[RESOLVED_SETTINGS_ENV] = resolved_settings_json(settings)
-    server = settings.server
     from gateway.observe.logs import log_config
-    from gateway.server.uvicorn_edge import connection_limit, edge_protocol
+    from gateway.server.uvicorn_edge import edge_protocol
 
-    # Logging as the server will have it, before the protocol is chosen: a closed
-    # version gate's WARNING must reach the log in its format.
-    logging.config.dictConfig(log_config(server.log_level, server.log_format))
-    http_protocol = edge_protocol()
+    with settings_for_workers(settings):
+        # Logging as the server will have it, before the protocol is chosen: a closed
+        # version gate's WARNING must reach the log in its format.
+        logging.config.dictConfig(log_config(settings.server.log_level, settings.server.log_format))
+        run_uvicorn(settings, edge_protocol())
+    return 0
+
+
+def run_uvicorn(settings: Settings, http_protocol: type[asyncio.Protocol] | str) -> None:
+    import uvicorn
+
+    from gateway.observe.logs import log_config
+    from gateway.server.uvicorn_edge import connection_limit
+
+    server = settings.server
     uvicorn.run(
         "gateway.server.app:create_app",
         factory=True,
@@ -120,10 +135,31 @@ def serve(args: argparse.Namespace) -> int:
         http=http_protocol,
         limit_concurrency=connection_limit(server.max_connections),
         access_log=False,
-        timeout_graceful_shutdown=int(server.shutdown_grace_s) or None,
+        # uvicorn types it int but waits with asyncio.timeout: a fraction of a second
+        # is kept as it is (int() made 0.5 a 0, and 0 "wait forever").
+        timeout_graceful_shutdown=server.shutdown_grace_s,  # type: ignore[arg-type]
         proxy_headers=False,
     )
-    return 0
+
+
+@contextlib.contextmanager
+def settings_for_workers(settings: Settings) -> Iterator[Path]:
+    """Hand the resolved settings, secrets included, to this process's app and its
+    workers in a file only the owner can read (a fresh 0700 directory, a 0600 file),
+    removed when the server exits; the environment carries only its path. (They
+    were in an environment variable, which /proc/<pid>/environ shows and every
+    child process inherits.)"""
+    directory = Path(tempfile.mkdtemp(prefix="vllm-guard-settings-"))
+    path = directory / "settings.json"
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as file:
+            file.write(resolved_settings_json(settings))
+        os.environ[RESOLVED_SETTINGS_FILE_ENV] = str(path)
+        yield path
+    finally:
+        os.environ.pop(RESOLVED_SETTINGS_FILE_ENV, None)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def check_config(args: argparse.Namespace) -> int:

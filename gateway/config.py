@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    IPvAnyNetwork,
     SecretStr,
     ValidationError,
     field_validator,
@@ -338,8 +339,15 @@ class ServerSettings(_Strict):
     #: (/invocations, /v1/chat/completions/batch) are refused; list here the ones the
     #: gateway should proxy anyway (to whoever may call the gateway).
     allow_vllm_paths: list[str] = Field(default_factory=list)
-    #: On SIGTERM: stop accepting, let in-flight requests (streams) finish this long.
+    #: On SIGTERM: stop accepting, let in-flight requests (streams) finish this long
+    #: (fractions of a second count; 0: none), then end them in-band.
     shutdown_grace_s: Annotated[float, Field(ge=0)] = 30.0
+    #: Load balancers and ingress proxies in front of the gateway (addresses or CIDRs).
+    #: A request from one of them is counted, for the retry budget's per-client fair
+    #: share, as coming from the address it names in X-Forwarded-For (the nearest one
+    #: that is not itself a trusted proxy); behind a proxy not listed, every client
+    #: is that proxy. Not needed when client API keys are checked (auth).
+    trusted_proxies: list[IPvAnyNetwork] = Field(default_factory=list)
 
 
 _SHA256_HEX = r"^[0-9a-f]{64}$"
@@ -611,15 +619,18 @@ def _describe_environment_error(exc: SettingsError) -> str:
     )
 
 
-#: The settings ``vllm-guard serve`` resolved (file, environment, flags), as JSON in
-#: the environment of the process and of each worker it starts.
-RESOLVED_SETTINGS_ENV = "VLLM_GUARD_RESOLVED_SETTINGS"
+#: The path of the file that holds the settings ``vllm-guard serve`` resolved (file,
+#: environment, flags) as JSON, secrets included, for the process and each worker it
+#: starts: only its owner may read it (``gateway.cli.settings_for_workers``). The
+#: environment, which ``/proc/<pid>/environ`` shows and child processes inherit,
+#: carries the path, never the secrets.
+RESOLVED_SETTINGS_FILE_ENV = "VLLM_GUARD_RESOLVED_SETTINGS_FILE"
 
 
 def settings_from_environment() -> Settings:
     """This process's settings: those the CLI resolved, else the file named by
     ``VLLM_GUARD_CONFIG`` (or the defaults) with the environment applied."""
-    resolved = os.environ.get(RESOLVED_SETTINGS_ENV)
+    resolved = os.environ.get(RESOLVED_SETTINGS_FILE_ENV)
     if resolved:
-        return Settings.model_validate_json(resolved)
+        return Settings.model_validate_json(Path(resolved).read_bytes())
     return load_settings(os.environ.get("VLLM_GUARD_CONFIG"))

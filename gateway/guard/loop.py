@@ -392,7 +392,7 @@ class Guard:
         go bad that this one still takes for clean (two gateways alternating a
         conversation's turns delivered corrupt answers when every retry climbed the
         ladder: BENCHMARKS.md)."""
-        if trace.attempts + 1 >= self.settings.guard.max_attempts > 2:
+        if trace.attempts + 1 >= self.settings.guard.max_attempts:
             return fresh_salt(trace.request.client_salt)
         conversation = self.conversation(trace)
         remembered = self.salts.get(conversation)
@@ -681,7 +681,11 @@ class Guard:
         backend = attempt.backend.name
         self.metrics.degenerate.labels(trace.model, backend, kind, trace.request.endpoint).inc()
         self.accounting.capture(attempt, trace, kind)
-        if not ended and self.settings.guard.stream.after_release is AfterRelease.CUT:
+        if (
+            not ended
+            and self.mode is GuardMode.ENFORCE  # observe: detect and count, never change
+            and self.settings.guard.stream.after_release is AfterRelease.CUT
+        ):
             assert attempt.stream is not None
             attempt.stream.close()
             self.metrics.stream_cut.labels(trace.model, backend).inc()

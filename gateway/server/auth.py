@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 from collections.abc import Sequence
+from ipaddress import IPv4Network, IPv6Network
 
 from starlette.types import Scope
 
@@ -59,10 +61,43 @@ def key_allowed(scope: Scope, allowed: Sequence[str]) -> bool:
     return digest_allowed(bearer_digest(scope), allowed)
 
 
-def client_identity(scope: Scope, *, by_key: bool) -> str:
+def client_identity(scope: Scope, *, by_key: bool, proxies: TrustedProxies) -> str:
     """Who is asking, for the retry budget's fair share: the API key's digest when
-    the gateway checks keys (``by_key``: a verified identity), else the address."""
+    the gateway checks keys (``by_key``: a verified identity), else the address (the
+    one a trusted proxy names, ``TrustedProxies.client_address``)."""
     if by_key:
         return "key:" + (bearer_digest(scope) or "")[:32]
-    client = scope.get("client")
-    return "addr:" + (client[0] if client else "unknown")
+    return "addr:" + proxies.client_address(scope)
+
+
+class TrustedProxies:
+    """``server.trusted_proxies``: whose X-Forwarded-For is believed."""
+
+    def __init__(self, networks: Sequence[IPv4Network | IPv6Network]) -> None:
+        self.networks = tuple(networks)
+
+    def trusts(self, address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in network for network in self.networks)
+
+    def client_address(self, scope: Scope) -> str:
+        """The peer's address; from a trusted proxy, the nearest address in its
+        X-Forwarded-For that is not a trusted proxy itself (the right-most: a client
+        can write what it likes to the left of what its proxies appended)."""
+        client = scope.get("client")
+        peer = str(client[0]) if client else "unknown"
+        if not self.networks or not self.trusts(peer):
+            return peer
+        forwarded: list[str] = [
+            hop.strip()
+            for name, value in scope["headers"]
+            if name == b"x-forwarded-for"
+            for hop in value.decode("latin-1").split(",")
+        ]
+        for hop in reversed(forwarded):
+            if hop and not self.trusts(hop):
+                return hop[:64]
+        return peer

@@ -27,7 +27,7 @@ from gateway.server.asgi import (
     read_body,
     set_request_id,
 )
-from gateway.server.auth import CLIENT_KEY_HEADERS, client_identity
+from gateway.server.auth import CLIENT_KEY_HEADERS, TrustedProxies, client_identity
 from gateway.server.lifespan import Runtime
 from gateway.server.relay import ClientGone, ClientWatch, answer_response
 from gateway.upstream.pool import forward_headers
@@ -45,6 +45,7 @@ def guarded_handler(settings: Settings, runtime: Callable[[], Runtime]) -> Guard
     lead_messages = settings.guard.salt_reuse.fingerprint_messages
     max_body = settings.server.max_body_bytes
     api_key = settings.upstream.api_key
+    proxies = TrustedProxies(settings.server.trusted_proxies)
 
     async def guarded(scope: Scope, receive: Receive, api: ApiAdapter) -> Response:
         started = time.perf_counter()
@@ -58,7 +59,7 @@ def guarded_handler(settings: Settings, runtime: Callable[[], Runtime]) -> Guard
                 scope["headers"], request_id=request_id, api_key=api_key, drop=drop
             )
             watch = ClientWatch(scope, receive)
-            client = client_identity(scope, by_key=keys_on)
+            client = client_identity(scope, by_key=keys_on, proxies=proxies)
             answer = await watch.guard(guard.handle(parsed, headers, started, client))
             response = answer_response(answer, watch)
         except GatewayError as exc:

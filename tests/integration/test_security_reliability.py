@@ -292,8 +292,11 @@ def test_sigterm_lets_streams_finish(stub: StubBackend) -> None:
     assert body.endswith(b"data: [DONE]\n\n")
 
 
-def test_sigterm_past_the_grace_ends_streams_in_band(stub: StubBackend) -> None:
-    process, url = _serve(stub, grace=1)
+@pytest.mark.parametrize("grace", [1.0, 0.5])
+def test_sigterm_past_the_grace_ends_streams_in_band(stub: StubBackend, grace: float) -> None:
+    """Past the grace the streams end in-band. A grace under a second is one (it was
+    ``int(grace) or None``: wait forever, and the stream ran to its end)."""
+    process, url = _serve(stub, grace=grace)
     out: list[bytes] = []
     thread = _stream_in_background(url, out)
     time.sleep(0.8)

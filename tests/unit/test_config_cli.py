@@ -300,3 +300,67 @@ def test_an_evidence_path_that_cannot_be_written_is_said_at_start(
         {"evidence": {"enabled": True, "path": str(tmp_path / "ok" / "evidence.jsonl")}}
     )
     assert open_evidence(writable) is not None
+
+
+def test_workers_get_the_settings_from_a_file_only_the_owner_can_read() -> None:
+    """The resolved settings, secrets included, reach the workers in a 0600 file in a
+    fresh 0700 directory, removed when the server exits; the environment (which
+    /proc/<pid>/environ shows and every child process inherits) carries only its
+    path. They were in an environment variable."""
+    import stat
+    import subprocess
+    import sys
+
+    from gateway.cli import settings_for_workers
+    from gateway.config import RESOLVED_SETTINGS_FILE_ENV, Settings, settings_from_environment
+
+    settings = Settings.model_validate(
+        {
+            "guard": {"salt_reuse": {"key": "ladder-secret"}},
+            "state": {"redis_url": "redis://:redis-secret@cache:6379/0"},
+            "upstream": {"api_key": "upstream-secret"},
+        }
+    )
+    secrets = ("ladder-secret", "redis-secret", "upstream-secret")
+    with settings_for_workers(settings) as path:
+        assert os.environ[RESOLVED_SETTINGS_FILE_ENV] == str(path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        assert settings_from_environment() == settings  # what a worker reads
+        child = subprocess.run(
+            [sys.executable, "-c", "import os; print(dict(os.environ))"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert str(path) in child.stdout
+        assert not any(secret in child.stdout for secret in secrets)
+    assert not path.exists()
+    assert not path.parent.exists()
+    assert RESOLVED_SETTINGS_FILE_ENV not in os.environ
+
+
+def test_a_trusted_proxy_names_the_client_for_the_fair_share() -> None:
+    """Behind a listed proxy the client is the nearest address in X-Forwarded-For
+    that is not a trusted proxy (a client may prepend anything to the left); a peer
+    that is not listed is the client whatever it claims."""
+    import ipaddress
+
+    from gateway.server.auth import TrustedProxies, client_identity
+
+    proxies = TrustedProxies([ipaddress.ip_network("10.0.0.0/8")])
+
+    def scope(peer: str, forwarded: str | None) -> dict[str, object]:
+        headers = [(b"x-forwarded-for", forwarded.encode())] if forwarded else []
+        return {"client": (peer, 4711), "headers": headers}
+
+    def who(peer: str, forwarded: str | None = None) -> str:
+        return client_identity(scope(peer, forwarded), by_key=False, proxies=proxies)
+
+    assert who("10.1.2.3", "198.51.100.7") == "addr:198.51.100.7"
+    assert who("10.1.2.3", "6.6.6.6, 198.51.100.7, 10.9.9.9") == "addr:198.51.100.7"
+    assert who("10.1.2.3") == "addr:10.1.2.3"  # nothing forwarded: the proxy itself
+    assert who("203.0.113.5", "198.51.100.7") == "addr:203.0.113.5"  # not trusted
+    nobody = TrustedProxies([])
+    assert (
+        client_identity(scope("10.1.2.3", "198.51.100.7"), by_key=False, proxies=nobody)
+        == "addr:10.1.2.3"
+    )

@@ -506,3 +506,42 @@ def test_an_attempt_that_reached_its_backend_is_not_sent_to_another() -> None:
             assert_nothing_held(guard)
 
     asyncio.run(scenario())
+
+
+def test_observe_mode_never_cuts_a_stream() -> None:
+    """``observe`` detects and counts, never changes an answer: a stream that
+    degenerates after release is delivered whole even with ``after_release: cut``."""
+
+    async def scenario() -> None:
+        late = stream_of(CLEAN_TEXT, *["!!!!"] * 20)
+        script = Script([answers_stream(late)])
+        stream = {"after_release": "cut", "release": "first_token"}
+        async with guard_with(script, mode="observe", stream=stream) as guard:
+            answer = await handle(guard, stream=True)
+            body = await relayed(answer)
+            assert content_of(body) == CLEAN_TEXT + "!!!!" * 20
+            assert b"degenerate_response" not in body
+            assert metric(guard, "vllm_guard_stream_cut_total") == 0
+            assert metric(guard, "vllm_guard_degenerate_delivered_total") == 1
+
+    asyncio.run(scenario())
+
+
+def test_the_last_attempt_gets_a_fresh_salt_with_two_attempts() -> None:
+    """With ``max_attempts: 2`` the retry is the last attempt: a fresh random salt (a
+    namespace nobody used cannot hold a corrupt state), not the conversation's
+    ladder rung, which two processes with one key would both compute."""
+
+    async def retry_salt() -> str:
+        script = Script([answers_whole(BANGS), answers_whole(CLEAN_TEXT)])
+        settings = {"max_attempts": 2, "salt_reuse": {"key": "one-key"}}
+        async with guard_with(script, **settings) as guard:
+            answer = await handle(guard)
+            assert header(answer, "x-vllm-guard-verdict") == "recovered"
+            salt: str = script.received[1]["cache_salt"]
+            return salt
+
+    first, second = asyncio.run(retry_salt()), asyncio.run(retry_salt())
+    assert first.startswith("vg.")
+    assert second.startswith("vg.")
+    assert first != second  # the same ladder rung in both processes before the fix
