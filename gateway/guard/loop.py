@@ -182,7 +182,7 @@ class Guard:
                 try:
                     attempt = await self._attempt(request, backend, salt, headers, trace)
                 except (BackendUnreachable, UpstreamTimeout, UpstreamProtocolError) as exc:
-                    failover = self._after_transport_failure(exc, backend, trace, headers)
+                    failover = await self._after_transport_failure(exc, backend, trace, headers)
                     if failover is None:
                         raise
                     backend = failover
@@ -263,7 +263,7 @@ class Guard:
             self.settings.guard.canary_weight, self.rng, affinity=affinity
         )
 
-    def _after_transport_failure(
+    async def _after_transport_failure(
         self, exc: GatewayError, backend: Backend, trace: Trace, headers: CIMultiDict[str]
     ) -> Backend | None:
         """An attempt that never got an answer: the backend to fail over to, or None
@@ -272,7 +272,8 @@ class Guard:
         trace.kinds.append("backend_error")
         if isinstance(exc, UpstreamProtocolError):
             self.metrics.upstream_errors.labels(backend.name, "protocol").inc()
-        failover = self._failover_backend(backend, trace) if _may_send_elsewhere(exc) else None
+        may_resend = await self._may_send_elsewhere(exc, backend)
+        failover = self._failover_backend(backend, trace) if may_resend else None
         cause = repr(exc.__cause__) if exc.__cause__ is not None else exc.code
         request_id, endpoint = headers["x-request-id"], trace.request.endpoint
         if failover is None:
@@ -347,6 +348,24 @@ class Guard:
             trace.conversation = self._fingerprint(trace.request)
             trace.conversation_known = True
         return trace.conversation
+
+    async def _may_send_elsewhere(self, exc: GatewayError, backend: Backend) -> bool:
+        """Whether an attempt that failed in transport may be sent to another backend.
+
+        Yes when it never reached its backend (the connection did not open), or its
+        backend answered with something that is not an answer (an attempt, counted,
+        like a degenerate one). A request the backend may still be working on, or may
+        have stored (a cut connection, a silence, a body that broke off), is sent
+        again only when the backend is gone: asked at once (``/health`` on a new
+        connection), a backend that does not answer has lost what it held, for
+        vLLM keeps requests and stored answers in its memory. A load balancer's
+        idle timeout cutting a long generation leaves a healthy backend: no resend."""
+        if not exc.may_have_reached_backend or isinstance(exc, UpstreamProtocolError):
+            return True
+        if await backend.probe_health(self.pool.probe_timeout_s):
+            return False
+        backend.mark(False)
+        return True
 
     def _failover_backend(self, failed: Backend, trace: Trace) -> Backend | None:
         """Another backend for an attempt that sent nothing, if one exists and retries remain."""
@@ -702,12 +721,3 @@ class Guard:
         if attempt.stream is not None:
             attempt.stream.close()
         trace.unroute()
-
-
-def _may_send_elsewhere(exc: GatewayError) -> bool:
-    """Whether an attempt that failed in transport may be sent to another backend: it
-    never reached its backend (the connection did not open), or its backend answered
-    with something that is not an answer (an attempt, counted, like a degenerate
-    one). A request the backend may be working on, or may have stored (a cut
-    connection, a silence, a body that broke off), is not sent twice."""
-    return not exc.may_have_reached_backend or isinstance(exc, UpstreamProtocolError)

@@ -70,6 +70,11 @@ class Script:
     received: list[dict[str, Any]] = field(default_factory=list)
     #: Set when a streamed answer's client (the gateway) went away mid-stream.
     abandoned: asyncio.Event = field(default_factory=asyncio.Event)
+    #: What GET /health answers: 200 while True, else 503 (a backend that died).
+    healthy: bool = True
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.received.append(await request.json())
@@ -108,6 +113,7 @@ async def guard_with(
 ) -> AsyncIterator[Guard]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", script.handle)
+    app.router.add_get("/health", script.health)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     urls = [str(server.make_url("")).rstrip("/")] * backends
@@ -483,26 +489,43 @@ def test_in_flight_follows_the_backend_serving_each_attempt() -> None:
     asyncio.run(scenario())
 
 
-def test_an_attempt_that_reached_its_backend_is_not_sent_to_another() -> None:
-    """The backend read the request and its stream broke off while held (a crash, or a
-    load balancer's cut): the backend may have generated, or stored, the answer, so
-    it is not sent again elsewhere; the client gets the error. A backend that could
-    not be connected to is failed over from (``test_an_unreachable_backend_fails_over``)."""
+@pytest.mark.parametrize("backend_survives", [True, False])
+def test_an_attempt_that_reached_its_backend_is_sent_elsewhere_only_if_the_backend_died(
+    backend_survives: bool,
+) -> None:
+    """The backend read the request and its stream broke off while held. If it still
+    answers its health check (a load balancer's cut, a proxy's hiccup), it may have
+    generated, or stored, the answer: not sent again, the client gets the error. If
+    it does not (it crashed: vLLM's requests and stored answers died with it), the
+    request fails over. A backend that could not be connected to is failed over from
+    at once (``test_an_unreachable_backend_fails_over``)."""
 
     async def scenario() -> None:
         async def breaks_off(request: web.Request) -> web.StreamResponse:
             response = web.StreamResponse(headers={"content-type": "text/event-stream"})
             await response.prepare(request)
             await response.write(chunk(" "))
+            script.healthy = backend_survives
             assert request.transport is not None
             request.transport.close()
             return response
 
-        script = Script([breaks_off, answers_whole(CLEAN_TEXT)])
+        async def clean_on_the_other(request: web.Request) -> web.StreamResponse:
+            script.healthy = True
+            return await answers_stream(stream_of(CLEAN_TEXT))(request)
+
+        script = Script([breaks_off, clean_on_the_other])
         async with guard_with(script, backends=2) as guard:
-            with pytest.raises(BackendUnreachable):
-                await handle(guard, stream=True)
-            assert len(script.received) == 1
+            guard.pool.choose_first = lambda *a, **k: guard.pool.backends[0]  # type: ignore[method-assign]
+            if backend_survives:
+                with pytest.raises(BackendUnreachable):
+                    await handle(guard, stream=True)
+                assert len(script.received) == 1
+            else:
+                answer = await handle(guard, stream=True)
+                assert content_of(await relayed(answer)) == CLEAN_TEXT
+                assert len(script.received) == 2
+                assert not guard.pool.backends[0].healthy
             assert_nothing_held(guard)
 
     asyncio.run(scenario())
