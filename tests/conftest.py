@@ -23,6 +23,7 @@ from hypothesis import settings as hypothesis_settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from support.pods import Dns, pods_on_one_port
 from support.servers import (
     MODEL_NAME,
     GatewayServer,
@@ -32,6 +33,9 @@ from support.servers import (
     free_port,
     gateway_settings,
 )
+from support.stub_backend import StubBackend
+
+from gateway.upstream import discovery
 
 ARTIFACTS = Path(os.environ.get("VLLM_GUARD_TEST_ARTIFACTS", "/tmp/vllm-guard-test"))
 
@@ -176,3 +180,18 @@ def redis_server() -> Iterator[RunningRedis]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def pods() -> Iterator[tuple[int, dict[str, StubBackend]]]:
+    """Scripted vLLM pods behind one name (``support.pods``): (port, address -> pod)."""
+    with pods_on_one_port() as found:
+        yield found
+
+
+@pytest.fixture
+def dns(monkeypatch: pytest.MonkeyPatch) -> Dns:
+    """The pods' name resolves to what the test sets in ``dns.answer``."""
+    resolver = Dns()
+    monkeypatch.setattr(discovery, "resolve_addresses", resolver.resolve)
+    return resolver

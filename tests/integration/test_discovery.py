@@ -11,50 +11,11 @@ answers: scripted backends are enough, and they tell which pod served a request.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import httpx
-import pytest
 from conftest import GatewayFactory, wait_for
-from support.servers import free_port
+from support.pods import Dns
 from support.stub_backend import StubBackend
-
-from gateway.upstream import discovery
-
-ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
-
-
-class Dns:
-    """What the name resolves to now (``None``: the resolver fails)."""
-
-    def __init__(self) -> None:
-        self.answer: list[str] | None = []
-
-    async def resolve(self, host: str, port: int) -> list[str]:
-        assert host == "vllm-pods.test"
-        if self.answer is None:
-            raise OSError("Temporary failure in name resolution")
-        return list(self.answer)
-
-
-@pytest.fixture
-def pods() -> Iterator[tuple[int, dict[str, StubBackend]]]:
-    port = free_port()
-    servers = {address: StubBackend(port, host=address) for address in ADDRESSES}
-    for server in servers.values():
-        server.__enter__()
-    try:
-        yield port, servers
-    finally:
-        for server in servers.values():
-            server.__exit__(None, None, None)
-
-
-@pytest.fixture
-def dns(monkeypatch: pytest.MonkeyPatch) -> Dns:
-    resolver = Dns()
-    monkeypatch.setattr(discovery, "resolve_addresses", resolver.resolve)
-    return resolver
 
 
 def served_by(pods: dict[str, StubBackend], marker: str) -> str:

@@ -14,48 +14,13 @@ their answers are canned. The real vLLM's store is tested in ``test_apis_vllm.py
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from conftest import GatewayFactory, RunningRedis, scraped_metric, wait_for
-from support.servers import free_port
+from support.pods import ADDRESSES, Dns
 from support.stub_backend import StubBackend
-
-from gateway.upstream import discovery
-
-ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
-
-
-class Dns:
-    """What the pods' name resolves to now."""
-
-    def __init__(self) -> None:
-        self.answer: list[str] = []
-
-    async def resolve(self, host: str, port: int) -> list[str]:
-        return list(self.answer)
-
-
-@pytest.fixture
-def pods() -> Iterator[tuple[int, dict[str, StubBackend]]]:
-    port = free_port()
-    servers = {address: StubBackend(port, host=address) for address in ADDRESSES}
-    for server in servers.values():
-        server.__enter__()
-    try:
-        yield port, servers
-    finally:
-        for server in servers.values():
-            server.__exit__(None, None, None)
-
-
-@pytest.fixture
-def dns(monkeypatch: pytest.MonkeyPatch) -> Dns:
-    resolver = Dns()
-    monkeypatch.setattr(discovery, "resolve_addresses", resolver.resolve)
-    return resolver
 
 
 def replica(gateway_for: GatewayFactory, port: int, affinity: bool = True, **sections: Any) -> Any:
