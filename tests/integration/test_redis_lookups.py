@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio
 import uvloop
-from conftest import ARTIFACTS, RunningRedis
+from conftest import ARTIFACTS, RunningRedis, wait_for
 from prometheus_client import CollectorRegistry
 from support.servers import free_port
 
@@ -183,3 +184,73 @@ def test_a_lost_connection_fails_the_waiting_lookups(redis_server: RunningRedis,
             await client.aclose()
 
     assert isinstance(run(scenario()), redis.ConnectionError | ConnectionError)
+
+
+@pytest.fixture
+def redis_over_tls(tmp_path: Path) -> Iterator[tuple[int, Path, Any]]:
+    """A real redis-server that speaks only TLS and wants a client certificate, with
+    a private CA (trustme): (port, directory of the PEM files, the CA)."""
+    import subprocess
+
+    import trustme
+
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("127.0.0.1")
+    server_cert.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "server.pem"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    port = free_port()
+    command = ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+               "--tls-cert-file", str(tmp_path / "server.pem"),
+               "--tls-key-file", str(tmp_path / "server.pem"),
+               "--tls-ca-cert-file", str(tmp_path / "ca.pem"), "--tls-auth-clients", "yes",
+               "--save", "", "--appendonly", "no"]  # fmt: skip
+    log = (ARTIFACTS / "redis-tls.log").open("ab")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for(lambda: port_open(port), 15), "redis-server (TLS) did not start"
+        yield port, tmp_path, ca
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+
+
+def port_open(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_rediss_with_a_private_ca_and_a_client_certificate(
+    redis_over_tls: tuple[int, Path, Any],
+) -> None:
+    """``rediss://`` with the CA and the client certificate in the URL's query (redis-py's
+    own parameters): shared. Without the client certificate Redis refuses the
+    handshake, and the memory says it is not shared."""
+    port, pems, ca = redis_over_tls
+    client = ca.issue_cert("vllm-guard")
+    client.private_key_and_cert_chain_pem.write_to_path(str(pems / "client.pem"))
+    base = f"rediss://127.0.0.1:{port}/2?ssl_ca_certs={pems / 'ca.pem'}"
+    with_cert = f"{base}&ssl_certfile={pems / 'client.pem'}&ssl_keyfile={pems / 'client.pem'}"
+
+    async def scenario(url: str) -> tuple[object, float]:
+        writer, _ = memory(url)
+        reader, metrics = memory(url)
+        try:
+            await writer.link.connect()
+            await reader.link.connect()
+            writer.remember("conversation-tls", "vg.rung-1", 1)
+            for _ in range(100):
+                if (found := await reader.lookup("conversation-tls")) is not None:
+                    return found, gauge(metrics, "vllm_guard_state_shared")
+                await asyncio.sleep(0.02)
+            return None, gauge(metrics, "vllm_guard_state_shared")
+        finally:
+            await writer.link.close()
+            await reader.link.close()
+
+    assert asyncio.run(scenario(with_cert)) == (("vg.rung-1", 1), 1.0)
+    assert asyncio.run(scenario(base)) == (None, 0.0)
