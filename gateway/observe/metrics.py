@@ -288,6 +288,25 @@ class Metrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+        self.backend_nan_requests = Gauge(
+            "vllm_guard_backend_nan_requests",
+            "vLLM's own count of requests whose logits held NaN (vllm:corrupted_requests, "
+            "summed over its engines; exported when the server runs with "
+            "VLLM_COMPUTE_NANS_IN_LOGITS=1), as last scraped: the bug's signature seen "
+            "from inside the server, beside the gateway's degenerate attempts. A counter "
+            "of the backend's (it restarts at 0 with vLLM): take increase().",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
+        self.backend_counts_nans = Gauge(
+            "vllm_guard_backend_counts_nans",
+            "1 when the backend's /metrics has vllm:corrupted_requests (vLLM started with "
+            "VLLM_COMPUTE_NANS_IN_LOGITS=1), 0 when it does not.",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="mostrecent",
+        )
         self.backend_info = Gauge(
             "vllm_guard_backend_info",
             "The backend's vLLM version (value is always 1).",
@@ -348,9 +367,15 @@ class Metrics:
         that a gone pod is neither shown up nor alerted on as down. In multiprocess
         mode a gauge's file outlives ``remove``: the value left there is NaN, which
         no ``== 0`` alert matches, until the slot is taken again."""
-        for gauge in (self.backend_up, self.backend_hit_ratio):
+        per_backend = (
+            self.backend_up,
+            self.backend_hit_ratio,
+            self.backend_nan_requests,
+            self.backend_counts_nans,
+        )
+        for gauge in per_backend:
             gauge.labels(name).set(math.nan)
-        for metric in (self.backend_up, self.backend_hit_ratio, self.connection_wait):
+        for metric in (*per_backend, self.connection_wait):
             with contextlib.suppress(KeyError):
                 metric.remove(name)
             getattr(metric, "_remembered", {}).pop((name,), None)

@@ -139,7 +139,8 @@ class VLLMServer:
             "--host", "127.0.0.1", "--port", str(self.port),
             # Request ids in the log, so tests can see vLLM abort a discarded attempt.
             "--enable-log-requests",
-            *([] if self.fixed else ["--scheduler-cls", "poison_scheduler.PoisonScheduler"]),
+            *([] if self.fixed else ["--scheduler-cls", "poison_scheduler.PoisonScheduler",
+                                     "--worker-cls", "poison_scheduler.PoisonWorker"]),
             *self.extra_args,
         ]  # fmt: skip
 
@@ -153,6 +154,10 @@ class VLLMServer:
             # The Responses API's store (previous_response_id, background), as a
             # deployment that uses them runs it; off by default in vLLM.
             "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+            # vLLM's own count of requests with NaN logits (vllm:corrupted_requests):
+            # the ground truth the gateway shows beside its verdicts, as the chart's
+            # vLLM runs it.
+            "VLLM_COMPUTE_NANS_IN_LOGITS": "1",
             "PYTHONPATH": str(SUPPORT),
             **self.extra_env,
         }

@@ -2,6 +2,9 @@
 
 Exports ``vllm_guard_backend_up``, ``vllm_guard_backend_prefix_cache_hit_ratio``
 (from the deltas of vLLM's prefix-cache counters between two scrapes),
+``vllm_guard_backend_nan_requests`` and ``vllm_guard_backend_counts_nans`` (vLLM's
+own count of requests with NaN logits, ``vllm:corrupted_requests``: ground truth
+beside the guard's verdicts, where the server computes it),
 ``vllm_guard_backend_info{version}`` and ``vllm_guard_backend_fix_info{status}``
 (what the backend's vllm-guard-fix plugin says of itself: ``active``, ``refused``,
 ``disabled``, or ``absent`` without the plugin), and teaches the metrics which
@@ -30,6 +33,24 @@ log = logging.getLogger(__name__)
 _SAMPLE = re.compile(
     rb"^vllm:prefix_cache_(queries|hits)_total(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)\s*$", re.MULTILINE
 )
+
+
+_NAN_REQUESTS = re.compile(
+    rb"^vllm:corrupted_requests_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE
+)
+
+
+def parse_nan_requests(text: bytes) -> float | None:
+    """vLLM's count of requests with NaN logits, summed over its engines; None when
+    the server does not export it (``VLLM_COMPUTE_NANS_IN_LOGITS`` off)."""
+    values = _NAN_REQUESTS.findall(text)
+    if not values:
+        return None
+    total = 0.0
+    for value in values:
+        with contextlib.suppress(ValueError):
+            total += float(value)
+    return total
 
 
 _FIX_INFO = re.compile(
@@ -108,6 +129,10 @@ class BackendScraper:
                 if ratio is not None:
                     self.metrics.backend_hit_ratio.labels(backend.name).set(ratio)
             self._record_fix_status(backend, parse_fix_status(text))
+            nan_requests = parse_nan_requests(text)
+            self.metrics.backend_counts_nans.labels(backend.name).set(nan_requests is not None)
+            if nan_requests is not None:
+                self.metrics.backend_nan_requests.labels(backend.name).set(nan_requests)
         if _key(backend) not in self._versions:
             await self._learn_identity(backend)
 

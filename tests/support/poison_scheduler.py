@@ -8,6 +8,23 @@ sampled tokens are then rewritten, as the bug does:
 
 * ``bang``: every token becomes id 0, which decodes to ``!`` (NaN logits);
 * ``eos``: the first token becomes EOS, so the answer is empty with finish "stop".
+* ``nan``: real NaNs, not a rewrite. When the request is scheduled, the last
+  prefix-cache block it reuses has its cached KV overwritten with NaN in every
+  layer (``_fill_nan``), so vLLM's own forward pass attends to NaN, its logits are
+  NaN, its sampler picks token 0 (``!``: argmax over all-NaN logits returns index
+  0, greedy or sampled, whose ``probs / q`` is NaN too) and, with
+  ``VLLM_COMPUTE_NANS_IN_LOGITS=1``, its own counter ``vllm:corrupted_requests``
+  counts the request. The block stays NaN in the prefix cache, and the blocks the
+  request computes after it are NaN from the second layer on, so every unsalted
+  request that reuses the chain is poisoned again; a salted one hashes to other
+  blocks and is clean: the field behaviour, from the numerics up. The real bug's
+  corrupt state is a Mamba/GDN layer's recurrent state, loaded once at the last
+  reused block; this tiny model is attention-only, so the NaN sits in that block's
+  KV instead. What follows (NaN activations, NaN logits, token 0) is the same.
+  The scheduler names the block (``SchedulerOutput.vg_nan_blocks``, an attribute
+  that rides the output's pickle to the worker process); the worker
+  (``--worker-cls poison_scheduler.PoisonWorker``, vLLM's CPU worker) writes the
+  NaN into its KV cache tensors before it runs that step.
 
 ``VG_POISON_KINDS`` (``bang,eos`` by default) lists the kinds; the block hash picks
 one. A request may override both with ``"vllm_xargs": {"vg_poison_rate": 0.5,
@@ -48,6 +65,7 @@ import os
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.worker.cpu_worker import CPUWorker
 
 log = logging.getLogger("vllm.poison_scheduler")
 
@@ -56,6 +74,22 @@ _CLEAN = ""
 
 def _uniform(data: bytes) -> float:
     return int.from_bytes(hashlib.sha256(data).digest()[:8], "big") / 2**64
+
+
+def _kv_caches(vllm_config: Any) -> list[Any]:
+    """The KV cache tensor of every attention layer, as the CPU model runner reaches
+    them (``static_forward_context``: one per layer, block index first)."""
+    import torch
+
+    context = vllm_config.compilation_config.static_forward_context
+    tensors: dict[int, Any] = {}
+    for layer in context.values():
+        kv = getattr(layer, "kv_cache", None)
+        if isinstance(kv, list):
+            kv = kv[0] if kv else None
+        if isinstance(kv, torch.Tensor) and kv.numel():
+            tensors.setdefault(kv.data_ptr(), kv)
+    return list(tensors.values())
 
 
 class PoisonScheduler(AsyncScheduler):
@@ -127,13 +161,39 @@ class PoisonScheduler(AsyncScheduler):
                 return kinds[int(_uniform(b"kind" + bytes(block_hash)) * len(kinds))]
         return _CLEAN
 
+    def _kind_of(self, request: Any) -> str:
+        kind = getattr(request, "_vg_poison", None)
+        if kind is None:
+            kind = request._vg_poison = self._poison_kind(request)
+        return str(kind)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        """A poisoned ``nan`` request has the last block it reuses named for the worker,
+        which fills it with NaN before the step that first reads it
+        (``PoisonWorker``)."""
+        output = super().schedule(*args, **kwargs)
+        poisoned = []
+        for new in output.scheduled_new_reqs:
+            request = self.requests.get(new.req_id)
+            if request is not None and self._kind_of(request) == "nan":
+                block = self._last_reused_block(new.block_ids, int(new.num_computed_tokens))
+                if block is not None:
+                    poisoned.append(block)
+        if poisoned:
+            output.vg_nan_blocks = poisoned
+        return output
+
+    def _last_reused_block(self, block_ids: Any, cached_tokens: int) -> int | None:
+        blocks = cached_tokens // int(self.block_size)
+        group = block_ids[0] if block_ids else []
+        if blocks <= 0 or blocks > len(group):
+            return None
+        return int(group[blocks - 1])
+
     def _update_request_with_output(
         self, request: Any, new_token_ids: list[int], is_stale: bool = False
     ) -> tuple[list[int], bool]:
-        kind = getattr(request, "_vg_poison", None)
-        if kind is None:
-            kind = self._poison_kind(request)
-            request._vg_poison = kind
+        kind = self._kind_of(request)
         if kind == "bang":
             new_token_ids = [0] * len(new_token_ids)
         elif kind == "eos" and new_token_ids:
@@ -141,3 +201,19 @@ class PoisonScheduler(AsyncScheduler):
             if eos is not None:
                 new_token_ids = [eos]
         return super()._update_request_with_output(request, new_token_ids, is_stale)
+
+
+class PoisonWorker(CPUWorker):
+    """vLLM's CPU worker, which writes NaN into the KV cache blocks the scheduler named
+    (``vg_nan_blocks``) before it runs the step: the ``nan`` poison."""
+
+    def execute_model(self, scheduler_output: Any) -> Any:
+        blocks = getattr(scheduler_output, "vg_nan_blocks", None)
+        if blocks:
+            caches = _kv_caches(self.vllm_config)
+            if not caches:
+                log.error("PoisonWorker: no KV cache found; 'nan' poisons nothing")
+            for kv in caches:
+                for block in blocks:
+                    kv[block].fill_(float("nan"))
+        return super().execute_model(scheduler_output)

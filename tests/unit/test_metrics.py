@@ -47,6 +47,27 @@ def test_fix_status_is_read_from_a_backends_metrics() -> None:
     assert parse_fix_status(line.replace(b"} 1.0", b"} 0.0")) == "absent"
 
 
+def test_vllms_nan_count_is_read_from_its_metrics_summed_over_engines() -> None:
+    """vLLM's counter as prometheus_client exposes it (the library vLLM registers it
+    with, ``v1/metrics/loggers.py``: one child per engine): its ``_total`` samples
+    summed, its ``_created`` ones ignored; None when the server does not count."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from gateway.upstream.scrape import parse_nan_requests
+
+    registry = CollectorRegistry()
+    nans = Counter(
+        "vllm:corrupted_requests",
+        "Corrupted requests, in terms of total number of requests with NaNs in logits.",
+        ["model_name", "engine"],
+        registry=registry,
+    )
+    nans.labels("tiny", "0").inc(3)
+    nans.labels("tiny", "1").inc(4)
+    assert parse_nan_requests(generate_latest(registry)) == 7.0
+    assert parse_nan_requests(b"vllm:num_requests_running 0.0\n") is None
+
+
 @settings(max_examples=300, derandomize=True)
 @given(st.lists(st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(BOUNDS)))
 def test_bisected_histogram_buckets_are_prometheus_clients(amounts: list[float]) -> None:
