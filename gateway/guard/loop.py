@@ -296,9 +296,7 @@ class Guard:
         backend = attempt.backend
         trace.degenerate_seen = True
         trace.kinds.append(kind)
-        self.metrics.degenerate.labels(
-            trace.model, backend.name, kind, trace.request.endpoint
-        ).inc()
+        self.metrics.count_degenerate(trace.model, backend.name, kind, trace.request.endpoint)
         self.accounting.capture(attempt, trace, kind)
         if attempt.salt is not None and attempt.salt != trace.request.client_salt:
             self.salts.forget(self.conversation(trace), attempt.salt)
@@ -698,7 +696,7 @@ class Guard:
     ) -> bytes | None:
         """A released stream degenerated: count it; with policy "cut", end it in-band."""
         backend = attempt.backend.name
-        self.metrics.degenerate.labels(trace.model, backend, kind, trace.request.endpoint).inc()
+        self.metrics.count_degenerate(trace.model, backend, kind, trace.request.endpoint)
         self.accounting.capture(attempt, trace, kind)
         if (
             not ended

@@ -299,6 +299,16 @@ class Metrics:
             registry=r,
             multiprocess_mode="mostrecent",
         )
+        self.backend_degenerate_attempts = Counter(
+            "vllm_guard_backend_degenerate_attempts",
+            "Attempts the gateway judged degenerate, by backend only: the figure to set "
+            "beside vllm_guard_backend_nan_requests (both count vLLM requests, a retry "
+            "being one). Starts at 0 for every backend that counts NaNs, so that its "
+            "first increase is seen (vllm_guard_degenerate_responses_total's series "
+            "appear with their first count).",
+            ["backend"],
+            registry=r,
+        )
         self.backend_counts_nans = Gauge(
             "vllm_guard_backend_counts_nans",
             "1 when the backend's /metrics has vllm:corrupted_requests (vLLM started with "
@@ -375,10 +385,15 @@ class Metrics:
         )
         for gauge in per_backend:
             gauge.labels(name).set(math.nan)
-        for metric in (*per_backend, self.connection_wait):
+        for metric in (*per_backend, self.connection_wait, self.backend_degenerate_attempts):
             with contextlib.suppress(KeyError):
                 metric.remove(name)
             getattr(metric, "_remembered", {}).pop((name,), None)
+
+    def count_degenerate(self, model: str, backend: str, kind: str, endpoint: str) -> None:
+        """An attempt judged degenerate (before or after its release)."""
+        self.degenerate.labels(model, backend, kind, endpoint).inc()
+        self.backend_degenerate_attempts.labels(backend).inc()
 
     def count_answered(self, endpoint: str, error: GatewayError) -> None:
         """A request the gateway answered itself (when ``error`` is one it answers)."""

@@ -133,6 +133,7 @@ class BackendScraper:
             self.metrics.backend_counts_nans.labels(backend.name).set(nan_requests is not None)
             if nan_requests is not None:
                 self.metrics.backend_nan_requests.labels(backend.name).set(nan_requests)
+                self.metrics.backend_degenerate_attempts.labels(backend.name)  # from 0
         if _key(backend) not in self._versions:
             await self._learn_identity(backend)
 

@@ -37,7 +37,7 @@ def run(*command: str, cwd: Path = ROOT) -> str:
 def test_promtool_config_rules_and_rule_tests() -> None:
     prom = DEPLOY / "prometheus"
     assert "SUCCESS" in run("promtool", "check", "config", "prometheus.yml", cwd=prom)
-    assert "13 rules found" in run("promtool", "check", "rules", "alerts.yml", cwd=prom)
+    assert "16 rules found" in run("promtool", "check", "rules", "alerts.yml", cwd=prom)
     assert "SUCCESS" in run("promtool", "test", "rules", "alerts_test.yml", cwd=prom)
 
 
@@ -48,7 +48,7 @@ def test_prometheusrule_carries_the_tested_rules(tmp_path: Path) -> None:
     assert resource["spec"] == yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
     rules = tmp_path / "rules.yml"
     rules.write_text(yaml.safe_dump(resource["spec"]))
-    assert "13 rules found" in run("promtool", "check", "rules", str(rules))
+    assert "16 rules found" in run("promtool", "check", "rules", str(rules))
 
 
 def test_the_kustomize_base_carries_the_tested_dashboard() -> None:

@@ -96,3 +96,62 @@ def test_the_gateway_shows_vllms_nan_count_beside_its_verdicts(
     degenerate = scraped_metric(gateway.url, "vllm_guard_degenerate_responses_total")
     assert degenerate - degenerate_before == poisoned
     assert httpx.get(gateway.url + "/readyz").status_code == 200
+
+
+def test_a_real_prometheus_raises_the_recall_gap_only_for_what_the_detector_missed(
+    vllm: RunningVLLM, gateway_for: GatewayFactory
+) -> None:
+    """deploy/prometheus/alerts.yml in a real Prometheus scraping two replicas of one
+    gateway (job vllm-guard) in front of the real vLLM. NaN-poisoned requests through
+    replica A, whose detectors are on, are all caught: VllmGuardDetectorMissesNaN stays
+    silent. Then through replica B, with the detector for the bug's kind switched off
+    (``punct_run``): the '!' answers are delivered, vLLM's count runs ahead of the
+    degenerate attempts, and the alert goes pending (its ``for`` is 10 minutes)."""
+    from pathlib import Path
+
+    from support.prometheus import PrometheusServer
+
+    alerts = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml"
+    sections = {
+        "upstream": {"metrics_scrape_interval_s": 0.5},
+        "guard": {"budget": {"ratio": 1.0, "min_per_second": 5.0}},
+    }
+    a = gateway_for(vllm.url, **sections)
+    b_guard = {**sections["guard"], "detectors": {"punct_run": False}}
+    b = gateway_for(vllm.url, upstream=sections["upstream"], guard=b_guard)
+    targets = {"vllm-guard": [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"]}
+    pending = 'ALERTS{alertname="VllmGuardDetectorMissesNaN"}'
+
+    def send_poisoned(gateway_url: str, verdict: str) -> None:
+        for _ in range(3):
+            raw = openai_client(gateway_url).chat.completions.with_raw_response.create(
+                model=vllm.model, messages=warmed_prompt(vllm),  # type: ignore[arg-type]
+                max_tokens=8, temperature=0, extra_body=NAN_POISON,
+            )  # fmt: skip
+            assert raw.headers["x-vllm-guard-verdict"] == verdict
+
+    def seen_by_prometheus(prom: PrometheusServer) -> None:
+        count = vllm_nan_count(vllm)
+        for gateway in (a, b):  # each replica's scrape of vLLM, then Prometheus's of it
+            assert wait_for(
+                lambda g=gateway: (
+                    scraped_metric(g.url, "vllm_guard_backend_nan_requests", backend="vllm0")
+                    == count
+                ),
+                timeout_s=10,
+            )
+        prom.wait_for_scrape_after(time.time(), "vllm-guard")
+        time.sleep(2.5)  # two rule evaluations
+
+    with PrometheusServer(targets, rule_files=[alerts]) as prom:
+        prom.wait_for_scrape_after(time.time(), "vllm-guard")
+        send_poisoned(a.url, "recovered")
+        seen_by_prometheus(prom)
+        assert prom.query(pending) == []
+        gap = "vllm_guard:nan_requests_not_judged_degenerate:increase30m"
+        assert abs(prom.scalar(gap) or 0.0) < 1
+        send_poisoned(b.url, "clean")  # delivered: the detector for '!' is off
+        seen_by_prometheus(prom)
+        (alert,) = prom.query(pending)
+        assert alert["metric"]["alertstate"] == "pending"
+        assert alert["metric"]["backend"] == "vllm0"

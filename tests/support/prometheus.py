@@ -17,12 +17,15 @@ from support.servers import free_port, wait_http
 class PrometheusServer:
     def __init__(
         self,
-        targets: dict[str, str],
+        targets: dict[str, str | list[str]],
         scrape_interval: str = "1s",
         labels: dict[str, dict[str, str]] | None = None,
+        rule_files: list[Path] | None = None,
     ) -> None:
-        """``targets``: job name -> host:port; ``labels``: job name -> target labels
-        (as deploy/prometheus/prometheus.yml labels each vLLM with its backend name)."""
+        """``targets``: job name -> host:port (or several); ``labels``: job name -> target
+        labels (as deploy/prometheus/prometheus.yml labels each vLLM with its backend
+        name); ``rule_files``: recording and alerting rules it evaluates (every
+        ``scrape_interval``)."""
         binary = shutil.which("prometheus")
         if binary is None:
             raise RuntimeError("prometheus is not installed (make prometheus)")
@@ -31,13 +34,17 @@ class PrometheusServer:
         self.dir = Path(tempfile.mkdtemp(prefix="vllm-guard-prom-"))
         target_labels = labels or {}
         jobs = "\n".join(
-            f"  - job_name: {job}\n    static_configs:\n      - targets: ['{target}']"
+            f"  - job_name: {job}\n    static_configs:\n      - targets: "
+            + json.dumps([target] if isinstance(target, str) else target)
             + (f"\n        labels: {json.dumps(target_labels.get(job))}" * (job in target_labels))
             for job, target in targets.items()
         )
+        rules = "".join(f"  - {json.dumps(str(path))}\n" for path in rule_files or [])
         (self.dir / "prometheus.yml").write_text(
             f"global:\n  scrape_interval: {scrape_interval}\n"
-            f"  evaluation_interval: {scrape_interval}\nscrape_configs:\n{jobs}\n"
+            f"  evaluation_interval: {scrape_interval}\n"
+            + (f"rule_files:\n{rules}" if rules else "")
+            + f"scrape_configs:\n{jobs}\n"
         )
         self.process: subprocess.Popen[bytes] | None = None
 
