@@ -33,7 +33,7 @@ from gateway.apis import CHAT
 from gateway.config import DetectorSettings
 from gateway.detect import Detector, StreamInspector
 from gateway.tools.plot import CORRUPTION_COLOR, HIT_RATE_COLOR, _png, rate_chart
-from gateway.upstream.scrape import parse_prefix_cache
+from gateway.upstream.scrape import PrefixCacheCounters, parse_nan_requests, parse_prefix_cache
 from gateway.wire.sse import DONE, SSEParser
 
 _WORDS_TEXT = (
@@ -89,6 +89,10 @@ class ProbeReport:
     duration_s: float
     outcomes: list[Outcome]
     backend_hit_rate: float | None
+    #: How much vLLM's own count of requests with NaN logits rose during the probe
+    #: (None: the server does not count them, VLLM_COMPUTE_NANS_IN_LOGITS off).
+    #: Through a gateway, as of its last scrape of vLLM (every 15 s by default).
+    nan_requests: float | None = None
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -219,19 +223,42 @@ def _first_text(payload: dict[str, Any]) -> str:
 # -- the run -------------------------------------------------------------------------------
 
 
-async def _backend_counters(session: aiohttp.ClientSession, target: str) -> tuple[Any, Any]:
-    """(vLLM prefix-cache counters, gateway's backend hit-ratio gauge) from /metrics."""
+@dataclass(slots=True)
+class TargetCounters:
+    """What the target's /metrics says at one moment: vLLM's prefix-cache counters,
+    the gateway's backend hit-ratio gauge, and vLLM's count of requests with NaN
+    logits (vLLM's own counter, or the gateway's copies of it summed over backends;
+    None where nobody counts)."""
+
+    prefix_cache: PrefixCacheCounters | None = None
+    gateway_hit_ratio: float | None = None
+    nan_requests: float | None = None
+
+
+def _gauge_sum(text: bytes, prefix: bytes) -> float | None:
+    values = [
+        float(line.rsplit(b" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
+    ]
+    return sum(values) if values else None
+
+
+async def _target_counters(session: aiohttp.ClientSession, target: str) -> TargetCounters:
     try:
         async with session.get(target + "/metrics") as response:
             text = await response.read()
     except aiohttp.ClientError:
-        return None, None
+        return TargetCounters()
     ratios = [
         float(line.rsplit(b" ", 1)[1])
         for line in text.splitlines()
         if line.startswith(b"vllm_guard_backend_prefix_cache_hit_ratio{")
     ]
-    return parse_prefix_cache(text), (sum(ratios) / len(ratios) if ratios else None)
+    nan_requests = parse_nan_requests(text)
+    if nan_requests is None:  # a gateway: its copy of each backend's count
+        nan_requests = _gauge_sum(text, b"vllm_guard_backend_nan_requests{")
+    return TargetCounters(
+        parse_prefix_cache(text), sum(ratios) / len(ratios) if ratios else None, nan_requests
+    )
 
 
 async def run_probe(
@@ -242,7 +269,7 @@ async def run_probe(
     connector = aiohttp.TCPConnector(limit=max(config.concurrency * 2, 4))
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         client = Client(config, session)
-        before, _ = await _backend_counters(session, config.target)
+        before = await _target_counters(session, config.target)
         outcomes: list[Outcome] = []
         total = (
             config.episodes * config.steps
@@ -278,11 +305,23 @@ async def run_probe(
 
             await asyncio.gather(*(one(b) for b in load_jsonl(Path(config.workload))))
         duration = time.perf_counter() - client.started
-        after, gateway_ratio = await _backend_counters(session, config.target)
-    backend_hit_rate = gateway_ratio
-    if before is not None and after is not None and after.queries > before.queries:
-        backend_hit_rate = (after.hits - before.hits) / (after.queries - before.queries)
-    report = ProbeReport(config.target, len(outcomes), duration, outcomes, backend_hit_rate)
+        if before.nan_requests is not None:
+            await asyncio.sleep(1.0)  # vLLM counts a request's NaNs as its stats arrive
+        after = await _target_counters(session, config.target)
+    backend_hit_rate = after.gateway_hit_ratio
+    cache_before, cache_after = before.prefix_cache, after.prefix_cache
+    if cache_before and cache_after and cache_after.queries > cache_before.queries:
+        backend_hit_rate = (cache_after.hits - cache_before.hits) / (
+            cache_after.queries - cache_before.queries
+        )
+    nan_requests = (
+        after.nan_requests - before.nan_requests
+        if before.nan_requests is not None and after.nan_requests is not None
+        else None
+    )
+    report = ProbeReport(
+        config.target, len(outcomes), duration, outcomes, backend_hit_rate, nan_requests
+    )
     report.summary = summarise(report)
     return report
 
@@ -313,6 +352,8 @@ def summarise(report: ProbeReport) -> dict[str, Any]:
         "degenerate_with_cache_hit": sum(1 for o in ok if o.kind and (o.cached_tokens or 0) > 0),
         "hit_rate_usage": cached / prompt if prompt else None,
         "hit_rate_backend_metrics": report.backend_hit_rate,
+        "vllm_counts_nans": report.nan_requests is not None,
+        "vllm_nan_requests": report.nan_requests,
         "latency_p50_s": _pct(latencies, 0.5),
         "latency_p99_s": _pct(latencies, 0.99),
         "ttft_p50_s": _pct(ttfts, 0.5),
@@ -347,6 +388,9 @@ def format_table(report: ProbeReport) -> str:
         ("  of them with a cache hit", str(s["degenerate_with_cache_hit"])),
         ("prefix-cache hit rate (usage)", fmt(s["hit_rate_usage"], "%")),
         ("prefix-cache hit rate (metrics)", fmt(s["hit_rate_backend_metrics"], "%")),
+        ("vLLM's own NaN-logit requests",
+         f"{s['vllm_nan_requests']:.0f} (its counter, retries included)"
+         if s["vllm_counts_nans"] else "not counted (VLLM_COMPUTE_NANS_IN_LOGITS=1 on vLLM)"),
         ("latency p50 / p99", f"{fmt(s['latency_p50_s'], 'ms')} / {fmt(s['latency_p99_s'], 'ms')}"),
         ("time to first token p50 / p99",
          f"{fmt(s['ttft_p50_s'], 'ms')} / {fmt(s['ttft_p99_s'], 'ms')}"),

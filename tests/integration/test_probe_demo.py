@@ -60,6 +60,22 @@ def test_probe_reports_exactly_the_injected_corruption(vllm: RunningVLLM, tmp_pa
     assert_png_with_series(png)
 
 
+def test_probe_sets_vllms_own_nan_count_beside_its_verdicts(vllm: RunningVLLM) -> None:
+    """With real NaNs (every cache hit's reused block NaN in vLLM's KV cache), vLLM's
+    own counter rose by exactly the answers the probe found degenerate: the
+    detector's verdicts and the server's ground truth agree. The seed is this test's
+    alone: the poisoned blocks stay in vLLM's prefix cache."""
+    report = probe(vllm.url, "--model", vllm.model, "--episodes", "3", "--steps", "3",
+                   "--seed", "34034", "--extra-body",
+                   '{"vllm_xargs": {"vg_poison_rate": 1.0, "vg_poison_kinds": "nan"}}')  # fmt: skip
+    hits = sum(1 for o in report["outcomes"] if (o["cached_tokens"] or 0) > 0)
+    summary = report["summary"]
+    assert hits > 0
+    assert summary["degenerate"] == hits
+    assert summary["vllm_counts_nans"] is True
+    assert summary["vllm_nan_requests"] == hits
+
+
 def test_probe_through_the_gateway_reports_attempts(
     vllm: RunningVLLM, gateway_for: GatewayFactory, tmp_path: Path
 ) -> None:
