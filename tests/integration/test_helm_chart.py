@@ -80,6 +80,25 @@ def test_monitoring_objects_carry_the_release_label_and_the_tested_rules() -> No
     assert not [o for o in off if o["kind"] in ("ServiceMonitor", "PrometheusRule")]
 
 
+def test_the_vllm_pod_monitor_labels_each_pod_as_a_backend() -> None:
+    """vLLM's own metrics (and the fixed backend's) in kube-prometheus-stack as in
+    compose: a PodMonitor for the pods the selector names, each labelled ``backend``."""
+    objects = template("--set", "vllmPodMonitor.enabled=true",
+                       "--set", "vllmPodMonitor.selector.app=my-vllm")  # fmt: skip
+    monitor = one(objects, "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "vllm",
+        "app": "my-vllm",
+    }
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "http"
+    assert endpoint["relabelings"] == [
+        {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "backend"}
+    ]
+    assert not [o for o in template() if o["kind"] == "PodMonitor"]
+
+
 @pytest.mark.parametrize(
     ("value", "complaint"),
     [
