@@ -7,7 +7,7 @@ VLLM_VENV ?= $(HOME)/.cache/vllm-guard/vllm-venv
 CONFIG ?= config/vllm-guard.yaml
 export VLLM_VENV
 
-.PHONY: setup run test lint unit vllm prometheus helm actionlint tiny-vllm demo bench bench-apis bench-release bench-proxy soak clean
+.PHONY: setup run test lint unit docs vllm prometheus helm actionlint tiny-vllm demo bench bench-apis bench-release bench-proxy soak clean
 
 $(BIN)/vllm-guard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,9 @@ lint: setup
 
 unit: setup
 	$(BIN)/pytest tests/unit -q
+
+docs: setup ## the reference documentation (docs/) as a site in site/
+	$(BIN)/mkdocs build --strict
 
 test: setup vllm prometheus helm actionlint lint ## everything: lint, unit, and integration against real vLLM + Prometheus
 	$(BIN)/pytest -q

@@ -263,7 +263,7 @@ class SaltReuseSettings(_Strict):
 
 
 class ReleasePolicy(StrEnum):
-    """When a held stream is released (README, "Streams")."""
+    """When a held stream is released (docs/guard.md, "Streams")."""
 
     #: Once the text is clearly healthy: at least min_release_chars visible
     #: characters that no longer fit any degenerate pattern.
@@ -275,7 +275,7 @@ class ReleasePolicy(StrEnum):
 
 
 class StreamSettings(_Strict):
-    """The adaptive hold-back (README, "Streams"): a stream's first byte is released
+    """The adaptive hold-back (docs/guard.md, "Streams"): a stream's first byte is released
     as soon as its held text is clearly healthy, and held while it is still
     consistent with a degenerate pattern, up to a ceiling."""
 
@@ -409,7 +409,7 @@ class EvidenceSettings(_Strict):
 
 
 class StateSettings(_Strict):
-    """Conversation memory shared by every worker and replica (README, "State")."""
+    """Conversation memory shared by every worker and replica (docs/state.md)."""
 
     #: redis://[:password@]host:port/db (or rediss://, Valkey alike); null: each
     #: process keeps its own memory. From a secret: VLLM_GUARD_STATE__REDIS_URL.

@@ -10,7 +10,7 @@ other servers' streams); each carries a ``sequence_number`` from 0. An attempt's
 events are held back until the guard decides and a discarded attempt's are never
 sent, so the client sees one response: one id, its sequence numbers in order.
 
-Stateful parts (README, "Responses and Messages"):
+Stateful parts (docs/guard.md, "Responses and Messages"):
 
 * ``store``: every attempt is stored by vLLM (when its store is on); a discarded
   attempt's id is never given to the client, so nothing refers to it.

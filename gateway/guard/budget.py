@@ -21,7 +21,7 @@ equals rate x window. State is bounded: backends are configured, clients are an
 LRU of ``max_clients`` entries (a client that falls out starts fresh, i.e.
 presumed recovering).
 
-The maths (README, "Retry budget"): with request rate R, a backend broken for
+The maths (docs/guard.md, "Retry budget"): with request rate R, a backend broken for
 everyone, and allowance A = ratio x R x W + min_per_second x W, useless retries in
 flight or failed in the window never exceed A, so the extra upstream request rate
 converges to at most ratio x R + min_per_second, plus ``min_failed`` retries per

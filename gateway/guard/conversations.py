@@ -1,6 +1,6 @@
 """Retry policy state: the per-conversation salt memory (the budget is gateway.guard.budget).
 
-Per process (per worker, per replica): see README, "State".
+Per process (per worker, per replica): see docs/state.md.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ conversation; rotating after corruption recurs is ``n + 1``. The client's salt
 is inside the MAC, so tenants never share a namespace, and the key keeps
 outsiders from computing anyone's salts. The key comes from configuration (or
 its environment variable); without one each process draws its own, and the
-ladder is then per process (README, "State").
+ladder is then per process (docs/state.md).
 
 A request with no conversation to key on gets a fresh random salt, derived from
 the client's salt when there is one. Either way the client's own salt is never

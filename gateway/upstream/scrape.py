@@ -149,7 +149,7 @@ class BackendScraper:
         if backend.settings.role is BackendRole.FIXED and status != "active":
             log.warning(
                 "backend %s has role fixed but its vLLM reports vllm-guard-fix %s: "
-                "requests sent there are not fixed (README, 'The fixed backend')",
+                "requests sent there are not fixed (docs/fixed-backend.md)",
                 backend.name, status,
             )  # fmt: skip
 

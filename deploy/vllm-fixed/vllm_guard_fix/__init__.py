@@ -1,7 +1,7 @@
 """vLLM plugin: Mamba prefix-cache hits honour the speculative-decoding drop.
 
-The defect, in every vLLM from 0.28 to 0.34 (table and evidence: README, "The
-fixed backend"): ``MambaManager.find_longest_cache_hit`` accepts
+The defect, in every vLLM from 0.28 to 0.34 (table and evidence: the
+project's docs/fixed-backend.md): ``MambaManager.find_longest_cache_hit`` accepts
 ``drop_eagle_block`` and never acts on it, and the hybrid coordinator gives Mamba
 groups no look-ahead margin ("its finder never drops"). A Mamba hit therefore
 lands on the last state below the full-attention candidate, the block a
