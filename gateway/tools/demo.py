@@ -1,7 +1,10 @@
 """``vllm-guard demo``: see the gateway work in one command, without a GPU.
 
 Starts the tiny local vLLM (CPU build) with a poisoned prefix cache - the same
-test-only scheduler the tests use - and the gateway in front of it, runs the
+test-only scheduler the tests use, its poison made of real NaNs in the cached KV,
+so the corrupt answers are runs of '!' that vLLM counts itself (the tests also
+cover the empty answers, which NaNs cannot produce) - and the gateway in front of
+it, runs the
 GUI-agent workload direct and through the gateway, prints both side by side,
 and cleans up its processes. It needs a source checkout's tests/support (the
 test-only scheduler; ``localvllm.missing_support`` says exactly what is missing).
@@ -54,11 +57,13 @@ def run_demo(
     logs = Path(tempfile.mkdtemp(prefix="vllm-guard-demo-"))
     say(
         f"3/5  Starting vLLM with prefix caching and a TEST-ONLY scheduler that poisons "
-        f"cached blocks (p={poison_rate} per block, the field's failure: '!!!!' or empty "
-        f"answers on cache hits). Logs: {logs}",
+        f"cached blocks (p={poison_rate} per block, the field's failure: NaN in the cached "
+        f"state, so '!!!!' answers on cache hits, which vLLM counts). Logs: {logs}",
         quiet,
     )
-    vllm = VLLMServer(model, logs / "vllm.log", poison_rate=poison_rate)
+    vllm = VLLMServer(
+        model, logs / "vllm.log", poison_rate=poison_rate, extra_env={"VG_POISON_KINDS": "nan"}
+    )
     gateway: subprocess.Popen[bytes] | None = None
     try:
         vllm.start()
@@ -106,6 +111,7 @@ def summary(report: ProbeReport) -> dict[str, Any]:
         "retried": s["retried"],
         "hit_rate": s["hit_rate_usage"],
         "latency_p50_s": s["latency_p50_s"],
+        "vllm_nan_requests": s["vllm_nan_requests"],
     }
 
 
@@ -114,6 +120,9 @@ def format_demo(result: dict[str, Any]) -> str:
 
     def pct(value: float | None) -> str:
         return "n/a" if value is None else f"{value:.1%}"
+
+    def count(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.0f}"
 
     def ms(value: float | None) -> str:
         return "n/a" if value is None else f"{value * 1000:.0f} ms"
@@ -124,6 +133,8 @@ def format_demo(result: dict[str, Any]) -> str:
         ("corrupt answers delivered", f"{d['corrupt']} ({pct(d['corrupt_rate'])})",
          f"{g['corrupt']} ({pct(g['corrupt_rate'])})"),
         ("answers retried with a fresh salt", "-", str(g["retried"])),
+        ("NaN requests vLLM itself counted", count(d["vllm_nan_requests"]),
+         count(g["vllm_nan_requests"])),
         ("prefix-cache hit rate", pct(d["hit_rate"]), pct(g["hit_rate"])),
         ("latency p50", ms(d["latency_p50_s"]), ms(g["latency_p50_s"])),
     ]  # fmt: skip

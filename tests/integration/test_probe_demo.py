@@ -133,3 +133,6 @@ def test_demo_end_to_end() -> None:
     assert summary["gateway"]["corrupt"] == 0
     assert summary["gateway"]["retried"] > 0
     assert summary["direct"]["requests"] == summary["gateway"]["requests"] == 24
+    # The poison is real NaNs: direct, vLLM's own count is the corrupt answers'.
+    assert summary["direct"]["vllm_nan_requests"] == summary["direct"]["corrupt"]
+    assert summary["gateway"]["vllm_nan_requests"] is not None
