@@ -14,7 +14,7 @@ import time
 
 import httpx
 from conftest import GatewayFactory, wait_for
-from support.pods import Dns
+from support.pods import Dns, backends_of
 from support.stub_backend import StubBackend
 
 
@@ -27,11 +27,6 @@ def served_by(pods: dict[str, StubBackend], marker: str) -> str:
     ]
     assert hits, marker
     return max(hits)[1]
-
-
-def backends_of(url: str) -> dict[str, bool]:
-    states: dict[str, bool] = httpx.get(url + "/readyz").json()["backends"]
-    return states
 
 
 def test_pods_found_by_dns_are_backends_and_only_a_leaving_pods_conversations_move(

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import GatewayFactory, RunningRedis, scraped_metric, wait_for
-from support.pods import ADDRESSES, Dns
+from support.pods import ADDRESSES, Dns, backends_of
 from support.stub_backend import StubBackend
 
 
@@ -41,11 +41,6 @@ def slots_of(gateway: Any) -> dict[str, str]:
     """Each discovered pod's slot name -> the last part of its address."""
     pool = gateway.runtime.pool
     return {b.name: "." + b.url.split(":")[1].rsplit(".", 1)[1] for b in pool.backends}
-
-
-def pods_of(url: str) -> dict[str, bool]:
-    states: dict[str, bool] = httpx.get(url + "/readyz").json()["backends"]
-    return states
 
 
 def test_replicas_with_different_discovery_histories_send_a_conversation_to_one_pod(
@@ -110,7 +105,7 @@ def test_responses_chains_hold_across_replicas(
     a = replica(gateway_for, port, affinity=False, **sections)
     b = replica(gateway_for, port, affinity=False, **sections)
     for gateway in (a, b):
-        assert wait_for(lambda g=gateway: len(pods_of(g.url)) == 3, 10)
+        assert wait_for(lambda g=gateway: len(backends_of(g.url)) == 3, 10)
     holder_of = {}
     for i in range(8):
         maker, other = (a, b) if i % 2 == 0 else (b, a)

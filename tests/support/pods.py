@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import httpx
 from support.servers import free_port
 from support.stub_backend import StubBackend
 
@@ -44,3 +45,9 @@ def pods_on_one_port() -> Iterator[tuple[int, dict[str, StubBackend]]]:
     finally:
         for server in servers.values():
             server.__exit__(None, None, None)
+
+
+def backends_of(gateway_url: str) -> dict[str, bool]:
+    """The gateway's backends and their health, as its /readyz says."""
+    states: dict[str, bool] = httpx.get(gateway_url + "/readyz").json()["backends"]
+    return states
