@@ -10,6 +10,7 @@ import time
 import uuid
 from typing import Any
 
+import httpx
 import pytest
 from conftest import GatewayFactory, RunningVLLM, openai_client
 from support.workload import is_corrupt, long_prompt, run_workload
@@ -82,3 +83,26 @@ def test_no_corrupt_answer_is_delivered_under_the_faithful_model(
     assert [r.text for r in guarded if is_corrupt(r.text)] == []
     assert any(r.verdict == "recovered" for r in guarded)
     assert all(r.verdict in ("clean", "recovered") for r in guarded)
+
+
+def test_mid_generation_corruption_starts_after_the_healthy_tokens(vllm: RunningVLLM) -> None:
+    """The test double for corruption that starts in the middle of a generation
+    (``vg_poison_after``): the first N tokens are the model's own, then token 0 ('!');
+    a salted request is immune (so a salted continuation of the healthy text is
+    clean). Compared by token ids: a token's text may be part of a UTF-8 character."""
+    prompt = f"{uuid.uuid4()} open the settings page"
+
+    def token_ids(**extra: object) -> list[int]:
+        body = {"model": vllm.model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True, **extra}  # fmt: skip
+        choice = httpx.post(vllm.url + "/v1/completions", json=body, timeout=60).json()
+        ids: list[int] = choice["choices"][0]["token_ids"]
+        return ids
+
+    healthy = token_ids()
+    corrupted = token_ids(vllm_xargs={"vg_poison_after": 5})
+    salted = token_ids(vllm_xargs={"vg_poison_after": 5}, cache_salt=uuid.uuid4().hex)
+    assert len(healthy) == 12
+    assert salted == healthy
+    assert corrupted == healthy[:5] + [0] * 7
+    assert healthy[5:] != [0] * 7

@@ -47,6 +47,9 @@ stays for the older tests.
 ``"vg_poison_unsalted_only": true`` limits the poisoning to requests without a
 ``cache_salt`` (salted namespaces stay clean however often they hit).
 
+``"vllm_xargs": {"vg_poison_after": N}`` corrupts an unsalted generation after N
+healthy tokens (``_corrupt_mid_generation``: corruption that starts mid-way).
+
 ``"vllm_xargs": {"vg_poison_all": "bang"}`` poisons a request whether or not it hit
 the cache: a backend broken for everyone (a bad kernel or weights), where a salted
 retry comes back degenerate too. It models no cache mechanism, only "retries do
@@ -194,6 +197,7 @@ class PoisonScheduler(AsyncScheduler):
         self, request: Any, new_token_ids: list[int], is_stale: bool = False
     ) -> tuple[list[int], bool]:
         kind = self._kind_of(request)
+        new_token_ids = self._corrupt_mid_generation(request, new_token_ids)
         if kind == "bang":
             new_token_ids = [0] * len(new_token_ids)
         elif kind == "eos" and new_token_ids:
@@ -201,6 +205,24 @@ class PoisonScheduler(AsyncScheduler):
             if eos is not None:
                 new_token_ids = [eos]
         return super()._update_request_with_output(request, new_token_ids, is_stale)
+
+    def _corrupt_mid_generation(self, request: Any, new_token_ids: list[int]) -> list[int]:
+        """``"vg_poison_after": N``: an unsalted generation turns to token 0 (``!``)
+        after N healthy output tokens, whatever the cache.
+
+        It models corruption that starts in the middle of a generation, as the field
+        reports from the async accepted-count race (vLLM #51571/#53919: with async
+        scheduling and speculative decoding a step can read a stale count of
+        accepted draft tokens, and the generation goes bad from there). Where it
+        differs: the real race does not care about ``cache_salt``; here a salted
+        request is immune, so that a salted continuation of the healthy text comes
+        back clean and the gateway's recovery of a released stream is observable."""
+        extra = getattr(request.sampling_params, "extra_args", None) or {}
+        after = extra.get("vg_poison_after")
+        if after is None or getattr(request, "cache_salt", None) or not new_token_ids:
+            return new_token_ids
+        healthy = max(0, int(after) - int(request.num_output_tokens))
+        return new_token_ids[:healthy] + [0] * (len(new_token_ids) - healthy)
 
 
 class PoisonWorker(CPUWorker):
