@@ -14,6 +14,7 @@ import asyncio
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 
 import orjson
@@ -74,6 +75,10 @@ ATTEMPTS_HEADER = "x-vllm-guard-attempts"
 VERDICT_HEADER = "x-vllm-guard-verdict"
 ATTEMPTS_HEADER_RAW = ATTEMPTS_HEADER.encode()
 VERDICT_HEADER_RAW = VERDICT_HEADER.encode()
+#: How long an answer id that no backend held is not asked for again, and how many
+#: such ids are remembered.
+NOT_FOUND_MEMORY_S = 30.0
+MAX_NOT_FOUND = 4096
 #: Most bytes of one stream held back before the guard decides on what it has.
 MAX_HELD_BYTES = 1024 * 1024
 
@@ -121,6 +126,10 @@ class Guard:
         self._holdback: dict[str | None, int] = {}
         self._release_policies: dict[str | None, ReleasePolicy] = {}
         self._default_detector = Detector(settings.guard.detectors)
+        #: Answer ids no healthy backend held when asked, and when that was: asked
+        #: again only after NOT_FOUND_MEMORY_S (a client repeating an unknown id
+        #: would otherwise cost a GET on every pod per request).
+        self._not_found: OrderedDict[str, float] = OrderedDict()
 
     # -- configuration lookups ----------------------------------------------------
 
@@ -325,9 +334,20 @@ class Guard:
         path = api.stored_path(answer_id)
         if path is None or sum(b.healthy for b in self.pool.backends) < 2:
             return None  # one backend: routing has no other choice to make
+        asked_at = self._not_found.get(answer_id)
+        now = time.monotonic()
+        if asked_at is not None and now - asked_at < NOT_FOUND_MEMORY_S:
+            self.metrics.answer_homes.labels("not_found").inc()
+            return None
         found = await self.pool.first_holding(path, headers)
         self.metrics.answer_homes.labels("asked" if found else "not_found").inc()
-        if found is not None:
+        if found is None:
+            self._not_found[answer_id] = now
+            self._not_found.move_to_end(answer_id)
+            while len(self._not_found) > MAX_NOT_FOUND:
+                self._not_found.popitem(last=False)
+        else:
+            self._not_found.pop(answer_id, None)
             conversation = chain.conversation if chain is not None else None
             self.chains.remember(answer_id, conversation, found.identity)
         return found

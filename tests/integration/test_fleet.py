@@ -148,3 +148,12 @@ def test_responses_chains_hold_across_replicas(
     )
     assert unknown.status_code == 404
     assert scraped_metric(a.url, "vllm_guard_answer_homes_total", source="not_found") == 1
+    asked_pods = sum(len(s.state.not_found) for s in servers.values())
+    again = httpx.post(
+        a.url + "/v1/responses",
+        json={"model": "stub", "input": "next", "previous_response_id": "resp_nobody"},
+    )
+    assert again.status_code == 404
+    # Not asked again for a while: a client repeating an unknown id costs no GET per pod.
+    assert sum(len(s.state.not_found) for s in servers.values()) == asked_pods
+    assert scraped_metric(a.url, "vllm_guard_answer_homes_total", source="not_found") == 2
