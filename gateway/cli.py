@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import atexit
 import contextlib
+import functools
 import logging
 import logging.config
 import os
@@ -13,7 +14,7 @@ import secrets
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,23 +144,34 @@ def run_uvicorn(settings: Settings, http_protocol: type[asyncio.Protocol] | str)
 
 
 @contextlib.contextmanager
-def settings_for_workers(settings: Settings) -> Iterator[Path]:
+def settings_for_workers(settings: Settings) -> Iterator[str]:
     """Hand the resolved settings, secrets included, to this process's app and its
-    workers in a file only the owner can read (a fresh 0700 directory, a 0600 file),
-    removed when the server exits; the environment carries only its path. (They
-    were in an environment variable, which /proc/<pid>/environ shows and every
-    child process inherits.)"""
-    directory = Path(tempfile.mkdtemp(prefix="vllm-guard-settings-"))
-    path = directory / "settings.json"
-    try:
+    workers in an anonymous in-memory file (``memfd``) that only processes of this
+    user can open, through ``/proc/<this pid>/fd/<n>``, and that is gone with this
+    process, however it ends (a signal included): the environment carries only that
+    path. (They were in an environment variable, which ``/proc/<pid>/environ``
+    shows and every child process inherits; a file on disk would outlive a SIGKILL.)
+    Where there is no memfd, a 0600 file in a fresh 0700 directory, removed at exit."""
+    data = resolved_settings_json(settings).encode()
+    if hasattr(os, "memfd_create"):
+        descriptor = os.memfd_create("vllm-guard-settings", os.MFD_CLOEXEC)
+        path = f"/proc/{os.getpid()}/fd/{descriptor}"
+        cleanup: Callable[[], None] = functools.partial(os.close, descriptor)
+    else:
+        directory = tempfile.mkdtemp(prefix="vllm-guard-settings-")
+        path = os.path.join(directory, "settings.json")
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "w") as file:
-            file.write(resolved_settings_json(settings))
-        os.environ[RESOLVED_SETTINGS_FILE_ENV] = str(path)
+        cleanup = functools.partial(shutil.rmtree, directory, ignore_errors=True)
+    try:
+        with os.fdopen(os.dup(descriptor), "wb") as file:
+            file.write(data)
+        if not hasattr(os, "memfd_create"):
+            os.close(descriptor)
+        os.environ[RESOLVED_SETTINGS_FILE_ENV] = path
         yield path
     finally:
         os.environ.pop(RESOLVED_SETTINGS_FILE_ENV, None)
-        shutil.rmtree(directory, ignore_errors=True)
+        cleanup()
 
 
 def check_config(args: argparse.Namespace) -> int:
@@ -226,7 +238,6 @@ def hash_key_command(args: argparse.Namespace) -> int:
 
 
 def evidence_command(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from gateway.observe.evidence import evidence_files, read_records, summarise
 
@@ -240,7 +251,6 @@ def evidence_command(args: argparse.Namespace) -> int:
 
 def probe_command(args: argparse.Namespace) -> int:
     import asyncio
-    from pathlib import Path
 
     import orjson
 

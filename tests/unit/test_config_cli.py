@@ -303,11 +303,12 @@ def test_an_evidence_path_that_cannot_be_written_is_said_at_start(
 
 
 def test_workers_get_the_settings_from_a_file_only_the_owner_can_read() -> None:
-    """The resolved settings, secrets included, reach the workers in a 0600 file in a
-    fresh 0700 directory, removed when the server exits; the environment (which
-    /proc/<pid>/environ shows and every child process inherits) carries only its
-    path. They were in an environment variable."""
-    import stat
+    """The resolved settings, secrets included, reach the workers in an anonymous
+    in-memory file that only this user's processes can open (``/proc/<pid>/fd/<n>``)
+    and that is gone with the process, even one killed by a signal; the environment
+    (which /proc/<pid>/environ shows and every child process inherits) carries only
+    its path. They were in an environment variable, and a file on disk outlived a
+    SIGKILL."""
     import subprocess
     import sys
 
@@ -323,19 +324,40 @@ def test_workers_get_the_settings_from_a_file_only_the_owner_can_read() -> None:
     )
     secrets = ("ladder-secret", "redis-secret", "upstream-secret")
     with settings_for_workers(settings) as path:
-        assert os.environ[RESOLVED_SETTINGS_FILE_ENV] == str(path)
-        assert stat.S_IMODE(path.stat().st_mode) == 0o600
-        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        assert os.environ[RESOLVED_SETTINGS_FILE_ENV] == path
+        assert path.startswith(f"/proc/{os.getpid()}/fd/")
+        assert os.readlink(path).startswith("/memfd:")  # on no filesystem
         assert settings_from_environment() == settings  # what a worker reads
         child = subprocess.run(
             [sys.executable, "-c", "import os; print(dict(os.environ))"],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
-        assert str(path) in child.stdout
+        assert path in child.stdout
         assert not any(secret in child.stdout for secret in secrets)
-    assert not path.exists()
-    assert not path.parent.exists()
+        # Another process of this user reads it by its path, as spawned workers do.
+        reader = subprocess.run(
+            [sys.executable, "-c", f"print(open({path!r}).read())"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert "ladder-secret" in reader.stdout
+    assert not os.path.exists(path)
     assert RESOLVED_SETTINGS_FILE_ENV not in os.environ
+    # A server killed by SIGKILL leaves nothing behind.
+    killed = subprocess.run(
+        [sys.executable, "-c",
+         "import os, signal\n"
+         "from gateway.cli import settings_for_workers\n"
+         "from gateway.config import Settings\n"
+         "with settings_for_workers(Settings()) as path:\n"
+         "    print(path, flush=True)\n"
+         "    os.kill(os.getpid(), signal.SIGKILL)\n"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert killed.returncode == -9
+    assert not os.path.exists(killed.stdout.strip())
+    import tempfile
+
+    assert not list(Path(tempfile.gettempdir()).glob("vllm-guard-settings-*"))
 
 
 def test_a_trusted_proxy_names_the_client_for_the_fair_share() -> None:
