@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import atexit
 import contextlib
-import functools
 import logging
 import logging.config
 import os
@@ -14,7 +13,7 @@ import secrets
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,25 +152,21 @@ def settings_for_workers(settings: Settings) -> Iterator[str]:
     shows and every child process inherits; a file on disk would outlive a SIGKILL.)
     Where there is no memfd, a 0600 file in a fresh 0700 directory, removed at exit."""
     data = resolved_settings_json(settings).encode()
-    if hasattr(os, "memfd_create"):
-        descriptor = os.memfd_create("vllm-guard-settings", os.MFD_CLOEXEC)
-        path = f"/proc/{os.getpid()}/fd/{descriptor}"
-        cleanup: Callable[[], None] = functools.partial(os.close, descriptor)
-    else:
-        directory = tempfile.mkdtemp(prefix="vllm-guard-settings-")
-        path = os.path.join(directory, "settings.json")
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        cleanup = functools.partial(shutil.rmtree, directory, ignore_errors=True)
-    try:
-        with os.fdopen(os.dup(descriptor), "wb") as file:
+    with contextlib.ExitStack() as undo:  # undone in reverse when the server returns
+        if hasattr(os, "memfd_create"):
+            descriptor = os.memfd_create("vllm-guard-settings", os.MFD_CLOEXEC)
+            path = f"/proc/{os.getpid()}/fd/{descriptor}"
+        else:
+            directory = tempfile.mkdtemp(prefix="vllm-guard-settings-")
+            undo.callback(shutil.rmtree, directory, ignore_errors=True)
+            path = os.path.join(directory, "settings.json")
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        undo.callback(os.close, descriptor)
+        with open(descriptor, "wb", closefd=False) as file:
             file.write(data)
-        if not hasattr(os, "memfd_create"):
-            os.close(descriptor)
         os.environ[RESOLVED_SETTINGS_FILE_ENV] = path
+        undo.callback(os.environ.pop, RESOLVED_SETTINGS_FILE_ENV, None)
         yield path
-    finally:
-        os.environ.pop(RESOLVED_SETTINGS_FILE_ENV, None)
-        cleanup()
 
 
 def check_config(args: argparse.Namespace) -> int:
@@ -238,7 +233,6 @@ def hash_key_command(args: argparse.Namespace) -> int:
 
 
 def evidence_command(args: argparse.Namespace) -> int:
-
     from gateway.observe.evidence import evidence_files, read_records, summarise
 
     files = evidence_files(Path(args.path))

@@ -235,11 +235,9 @@ class TargetCounters:
     nan_requests: float | None = None
 
 
-def _gauge_sum(text: bytes, prefix: bytes) -> float | None:
-    values = [
-        float(line.rsplit(b" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)
-    ]
-    return sum(values) if values else None
+def _gauge_values(text: bytes, prefix: bytes) -> list[float]:
+    """The values of the exposition's samples whose line starts with ``prefix``."""
+    return [float(line.rsplit(b" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)]
 
 
 async def _target_counters(session: aiohttp.ClientSession, target: str) -> TargetCounters:
@@ -248,14 +246,11 @@ async def _target_counters(session: aiohttp.ClientSession, target: str) -> Targe
             text = await response.read()
     except aiohttp.ClientError:
         return TargetCounters()
-    ratios = [
-        float(line.rsplit(b" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(b"vllm_guard_backend_prefix_cache_hit_ratio{")
-    ]
+    ratios = _gauge_values(text, b"vllm_guard_backend_prefix_cache_hit_ratio{")
     nan_requests = parse_nan_requests(text)
     if nan_requests is None:  # a gateway: its copy of each backend's count
-        nan_requests = _gauge_sum(text, b"vllm_guard_backend_nan_requests{")
+        copies = _gauge_values(text, b"vllm_guard_backend_nan_requests{")
+        nan_requests = sum(copies) if copies else None
     return TargetCounters(
         parse_prefix_cache(text), sum(ratios) / len(ratios) if ratios else None, nan_requests
     )
