@@ -52,6 +52,26 @@ def memory(url: str) -> tuple[SharedSaltMemory, Metrics]:
     return SharedSaltMemory(SaltMemory(salt_reuse), link, salt_reuse), metrics
 
 
+async def written_then_read(url: str, key: str, salt: str, rung: int) -> tuple[object, float]:
+    """One process remembers a conversation's rung through Redis at ``url``; another
+    looks it up there (for up to 2 s: the write leaves in the background). What the
+    reader found, and its ``vllm_guard_state_shared``."""
+    writer, _ = memory(url)
+    reader, metrics = memory(url)
+    try:
+        await writer.link.connect()
+        await reader.link.connect()
+        writer.remember(key, salt, rung)
+        for _ in range(100):
+            if (found := await reader.lookup(key)) is not None:
+                return found, gauge(metrics, "vllm_guard_state_shared")
+            await asyncio.sleep(0.02)
+        return None, gauge(metrics, "vllm_guard_state_shared")
+    finally:
+        await writer.link.close()
+        await reader.link.close()
+
+
 def gauge(metrics: Metrics, name: str, **labels: str) -> float:
     value = metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
@@ -119,26 +139,10 @@ def test_every_url_form_reads_where_it_writes(redis_with_password: RunningRedis,
     server.command("ACL", "SETUSER", "guard", "on", ">guard-pw", "~*", "+@all")
     url = form.format(pw="s3cr%3Aet", user_pw="guard-pw", port=server.port)
 
-    async def scenario() -> tuple[object, float]:
-        writer, _ = memory(url)
-        reader, metrics = memory(url)
-        try:
-            await writer.link.connect()
-            await reader.link.connect()
-            writer.remember("conversation-1", "vg.rung-2", 2)
-            for _ in range(100):  # the write leaves in the background
-                if b"vg.rung-2" in server.command("GET", "vllm-guard:salt:conversation-1", db=3):
-                    break
-                await asyncio.sleep(0.01)
-            found = await reader.lookup("conversation-1")
-            return found, gauge(metrics, "vllm_guard_state_shared")
-        finally:
-            await writer.link.close()
-            await reader.link.close()
-
-    found, shared = asyncio.run(scenario())
+    found, shared = asyncio.run(written_then_read(url, "conversation-1", "vg.rung-2", 2))
     assert found == ("vg.rung-2", 2)
     assert shared == 1
+    assert b"vg.rung-2" in server.command("GET", "vllm-guard:salt:conversation-1", db=3)
     assert server.command("GET", "vllm-guard:salt:conversation-1") == b"$-1\r\n"  # not db 0
 
 
@@ -236,21 +240,7 @@ def test_rediss_with_a_private_ca_and_a_client_certificate(
     base = f"rediss://127.0.0.1:{port}/2?ssl_ca_certs={pems / 'ca.pem'}"
     with_cert = f"{base}&ssl_certfile={pems / 'client.pem'}&ssl_keyfile={pems / 'client.pem'}"
 
-    async def scenario(url: str) -> tuple[object, float]:
-        writer, _ = memory(url)
-        reader, metrics = memory(url)
-        try:
-            await writer.link.connect()
-            await reader.link.connect()
-            writer.remember("conversation-tls", "vg.rung-1", 1)
-            for _ in range(100):
-                if (found := await reader.lookup("conversation-tls")) is not None:
-                    return found, gauge(metrics, "vllm_guard_state_shared")
-                await asyncio.sleep(0.02)
-            return None, gauge(metrics, "vllm_guard_state_shared")
-        finally:
-            await writer.link.close()
-            await reader.link.close()
-
-    assert asyncio.run(scenario(with_cert)) == (("vg.rung-1", 1), 1.0)
-    assert asyncio.run(scenario(base)) == (None, 0.0)
+    shared = written_then_read(with_cert, "conversation-tls", "vg.rung-1", 1)
+    assert asyncio.run(shared) == (("vg.rung-1", 1), 1.0)
+    refused = written_then_read(base, "conversation-tls", "vg.rung-1", 1)
+    assert asyncio.run(refused) == (None, 0.0)
