@@ -220,7 +220,15 @@ class RetryTarget(StrEnum):
 
 
 class AfterRelease(StrEnum):
+    """What happens to a released stream that degenerates (docs/guard.md, "Streams")."""
+
+    #: Its unsettled end is held back and, when it turns degenerate, dropped and the
+    #: answer continued from the text the client has (a fresh salt); where the answer
+    #: cannot be continued, as ``pass``.
+    CONTINUE = "continue"
+    #: Relayed as it comes, and counted.
     PASS = "pass"
+    #: Ended with an in-band error event.
     CUT = "cut"
 
 
@@ -287,7 +295,7 @@ class StreamSettings(_Strict):
     #: inspected and counted).
     holdback_chars: Annotated[int, Field(ge=0)] | None = None
     release: ReleasePolicy = ReleasePolicy.ADAPTIVE
-    after_release: AfterRelease = AfterRelease.PASS
+    after_release: AfterRelease = AfterRelease.CONTINUE
 
 
 class ModelSettings(_Strict):

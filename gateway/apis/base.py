@@ -69,6 +69,16 @@ class EventReader(Protocol):
         ...
 
 
+class EventSplice(Protocol):
+    """Rewrites a continuation's stream into the client's stream: its events carry
+    the original answer's identity (id, created, ...), its opening events are not
+    sent again, and its usage counts the released tokens as completion tokens."""
+
+    def event(self, raw: bytes) -> bytes | None:
+        """One of the continuation's events as the client gets it (None: dropped)."""
+        ...
+
+
 class ApiAdapter(ABC):
     """One generation API. Subclasses are stateless singletons (``gateway.apis.ADAPTERS``)."""
 
@@ -125,6 +135,28 @@ class ApiAdapter(ABC):
 
     def event_reader(self, inspector: StreamInspector) -> EventReader | None:
         """A reader for one stream of this API (None: ``openai_chunks``)."""
+        return None
+
+    # -- continuing an answer after release ----------------------------------------
+
+    def can_continue(self, body: Mapping[str, Any]) -> bool:
+        """Whether this request's answer may be continued after release (its stream's
+        unsettled end is then held back: ``gateway.guard.tail``)."""
+        return False
+
+    def continuation(
+        self, body: Mapping[str, Any], released: str, released_tokens: int
+    ) -> dict[str, Any] | None:
+        """The request fields that ask the backend to continue this request's answer
+        from ``released`` (the text the client has, ``released_tokens`` tokens of
+        it), or None where this API or this request cannot be continued."""
+        return None
+
+    def splice(self, opening: bytes, prompt_less: int, completion_more: int) -> EventSplice | None:
+        """The rewriter of a continuation's events (``opening``: the first bytes the
+        client was sent; ``prompt_less``: the released text's tokens in the
+        continuation's prompt; ``completion_more``: the tokens generated for it);
+        None where ``continuation`` is None."""
         return None
 
     # -- errors ---------------------------------------------------------------------

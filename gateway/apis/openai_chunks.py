@@ -9,11 +9,27 @@ is one choice's next piece of text, recognised without parsing its JSON
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from gateway.apis.base import ApiAdapter, Usage
+import orjson
+
+from gateway.apis.base import ApiAdapter, EventSplice, Usage, integer
 from gateway.config import SaltReuseSettings
 from gateway.detect import ChoiceOutput, Detector, Verdict, as_text, choice_index
+from gateway.wire.sse import DONE, lf_event
+
+#: Request fields under which a continuation would not continue the same answer:
+#: a grammar (structured outputs) restarts at the continuation's first token; an
+#: echo or the prompt's logprobs and token ids would cover the continued prefix.
+_NOT_CONTINUABLE = (
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "echo", "prompt_logprobs", "return_token_ids", "suffix",
+)  # fmt: skip
+#: The fields of a chunk that name its answer: a continuation's carry the original's.
+_IDENTITY = ("id", "created", "model", "system_fingerprint")
+#: vLLM's default max_tokens for text completions (CompletionRequest).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def body_choices(body: Mapping[str, Any]) -> list[tuple[int, ChoiceOutput]]:
@@ -75,8 +91,109 @@ def read_openai_usage(payload: Mapping[str, Any]) -> Usage | None:
     return Usage(prompt, cached if isinstance(cached, int) else None)
 
 
+def continuable(body: Mapping[str, Any]) -> bool:
+    """Whether a continuation of this request's answer is the same answer, longer."""
+    if any(body.get(name) not in (None, False) for name in _NOT_CONTINUABLE):
+        return False
+    if (integer(body.get("n")) or 1) > 1 or (integer(body.get("best_of")) or 1) > 1:
+        return False
+    response_format = body.get("response_format")
+    if response_format is not None and (
+        not isinstance(response_format, dict) or response_format.get("type") != "text"
+    ):
+        return False
+    tool_choice = body.get("tool_choice")
+    return not (tool_choice == "required" or isinstance(tool_choice, dict))
+
+
+def remaining_tokens(
+    body: Mapping[str, Any], used: int, fields: tuple[str, ...], default: int | None
+) -> dict[str, Any]:
+    """The token limits of a continuation: what the released tokens left of each."""
+    out: dict[str, Any] = {}
+    for name in fields:
+        limit = integer(body.get(name))
+        if limit is None and name == fields[-1] and default is not None and not out:
+            limit = default
+        if limit is not None:
+            out[name] = max(1, limit - used)
+    min_tokens = integer(body.get("min_tokens"))
+    if min_tokens:
+        out["min_tokens"] = max(0, min_tokens - used)
+    return out
+
+
+@dataclass(slots=True)
+class ChunkSplice:
+    """A continuation's chunk stream rewritten into the client's (``EventSplice``):
+    the original's id, created, model and system fingerprint on every chunk; the
+    opening role chunk dropped (the client has one); usage with the released text
+    taken out of the prompt, where the continuation counts it (``prompt_less``
+    tokens), and its generated tokens added to the completion (``completion_more``)."""
+
+    identity: dict[str, Any]
+    prompt_less: int
+    completion_more: int
+
+    @classmethod
+    def of(cls, opening: bytes, prompt_less: int, completion_more: int) -> ChunkSplice | None:
+        end = opening.find(b"\n\n")
+        data = lf_event(opening[: end if end >= 0 else len(opening)]).data
+        try:
+            first = orjson.loads(data) if data else None
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(first, dict):
+            return None
+        identity = {k: first[k] for k in _IDENTITY if k in first}
+        return cls(identity, prompt_less, completion_more)
+
+    def event(self, raw: bytes) -> bytes | None:
+        data = lf_event(raw.rstrip(b"\r\n")).data
+        if data is None or data == DONE:
+            return raw
+        payload = orjson.loads(data)  # StreamState has parsed it once already
+        choices = payload.get("choices")
+        if isinstance(choices, list) and choices:
+            for choice in choices:
+                delta = choice.get("delta") if isinstance(choice, dict) else None
+                if isinstance(delta, dict):
+                    delta.pop("role", None)
+            if all(_says_nothing(c) for c in choices) and payload.get("usage") is None:
+                return None
+        for key in _IDENTITY:
+            if key in self.identity:
+                payload[key] = self.identity[key]
+        usage = payload.get("usage")
+        if isinstance(usage, dict):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int) and isinstance(completion, int):
+                usage["prompt_tokens"] = max(0, prompt - self.prompt_less)
+                usage["completion_tokens"] = completion + self.completion_more
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _says_nothing(choice: object) -> bool:
+    """A chunk choice with no text, no finish and no logprobs (the role chunk's rest)."""
+    if not isinstance(choice, dict):
+        return False
+    if choice.get("finish_reason") is not None or choice.get("logprobs") is not None:
+        return False
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return all(value in (None, "", []) for value in delta.values())
+    return not choice.get("text")
+
+
 class _OpenAIChoices(ApiAdapter):
     openai_chunks: ClassVar[bool] = True
+
+    def splice(self, opening: bytes, prompt_less: int, completion_more: int) -> EventSplice | None:
+        return ChunkSplice.of(opening, prompt_less, completion_more)
+
+    def can_continue(self, body: Mapping[str, Any]) -> bool:
+        return continuable(body)
 
     def outputs(self, payload: Mapping[str, Any]) -> Iterable[tuple[int, ChoiceOutput]]:
         return body_choices(payload)
@@ -99,6 +216,32 @@ class ChatCompletions(_OpenAIChoices):
             return None
         return messages[: settings.fingerprint_messages]
 
+    def continuation(
+        self, body: Mapping[str, Any], released: str, released_tokens: int
+    ) -> dict[str, Any] | None:
+        """vLLM continues a trailing assistant message with both
+        ``continue_final_message`` and ``add_generation_prompt: false`` (one alone is a
+        400). A client that continues its own assistant message has the released
+        text appended to it."""
+        messages = body.get("messages")
+        if not continuable(body) or not isinstance(messages, list) or not messages:
+            return None
+        last = messages[-1]
+        if body.get("continue_final_message") is True:
+            if not isinstance(last, dict) or not isinstance(last.get("content"), str):
+                return None
+            continued = [*messages[:-1], {**last, "content": last["content"] + released}]
+        else:
+            continued = [*messages, {"role": "assistant", "content": released}]
+        return {
+            "messages": continued,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            **remaining_tokens(
+                body, released_tokens, ("max_completion_tokens", "max_tokens"), None
+            ),
+        }
+
 
 class TextCompletions(_OpenAIChoices):
     name: ClassVar[str] = "completions"
@@ -110,3 +253,17 @@ class TextCompletions(_OpenAIChoices):
         if not isinstance(prompt, str) or not prompt:
             return None
         return prompt[: settings.fingerprint_prompt_chars]
+
+    def continuation(
+        self, body: Mapping[str, Any], released: str, released_tokens: int
+    ) -> dict[str, Any] | None:
+        """The prompt and the released text, as one prompt (a string prompt only)."""
+        prompt = body.get("prompt")
+        if not continuable(body) or not isinstance(prompt, str):
+            return None
+        return {
+            "prompt": prompt + released,
+            **remaining_tokens(
+                body, released_tokens, ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS
+            ),
+        }

@@ -133,6 +133,9 @@ class StreamInspector:
         self.finished = False
         #: Some punctuation run has reached a threshold: ``partial_verdict`` may find one.
         self.suspect = False
+        #: Events that carried text (any field): vLLM streams one per engine step,
+        #: a token each without speculative decoding (a continuation's token count).
+        self.text_events = 0
 
     def _choice(self, index: int) -> _StreamChoice:
         state = self.choices.get(index)
@@ -149,6 +152,7 @@ class StreamInspector:
     def feed_first_choice(self, pieces: list[str]) -> None:
         """Text events of choice 0 (content, or a completion's text), in order, that
         carried nothing else: what ``feed`` does with each, done once for all."""
+        self.text_events += len(pieces) - 1  # feed_first_text counts one
         self.feed_first_text("".join(pieces))
 
     def feed_first_text(self, text: str) -> None:
@@ -200,6 +204,7 @@ class StreamInspector:
             state.content_parts.append(content)
             self.visible_chars += tracker.visible - before
             self.suspect = self.suspect or tracker.suspect
+            self.text_events += 1
         finish = raw.get("finish_reason")
         if type(finish) is str:
             state.finish_reason = finish
@@ -256,6 +261,7 @@ class StreamInspector:
 
     def _feed_text(self, tracker: PunctTracker, parts: list[str], text: str) -> None:
         if text:
+            self.text_events += 1
             before = tracker.visible
             tracker.feed(text)
             parts.append(text)

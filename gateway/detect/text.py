@@ -237,6 +237,48 @@ class Detector:
 ARTIFACT_STARTS = frozenset("<[\ufffd")
 
 
+#: Tokenizer artifacts ending a text, or the start of one still arriving ("<unk><un",
+#: "<|endof"), whitespace between them allowed.
+_ARTIFACTS_AT_END = re.compile(
+    rf"(?:{ARTIFACT}\s*)*(?:{ARTIFACT}|<[^\s<>]{{0,40}}|\[[A-Za-z]{{0,5}})\Z"
+)
+#: The unsettled tail is looked for in at most this many last characters: a run
+#: longer than the detectors' thresholds is decided before it gets there.
+_UNSETTLED_SCAN = 1024
+
+
+def unsettled_start(text: str, candidates: frozenset[str]) -> int:
+    """Where the end of ``text`` that could still become one of the bug's signatures
+    starts (``len(text)``: nothing could): a trailing run of one punctuation
+    character (whitespace between repeats), trailing tokenizer artifacts or the start
+    of one, and trailing whitespace, which a chat template may strip from the text a
+    continuation is asked to continue. A stream's rolling hold-back keeps this part
+    back (``gateway.guard.tail``)."""
+    end = len(text)
+    while end and text[end - 1].isspace():
+        end -= 1
+    if not end:
+        return 0
+    last = text[end - 1]
+    if last in candidates:
+        start = position = end - 1
+        floor = max(0, end - _UNSETTLED_SCAN)
+        while position > floor:
+            char = text[position - 1]
+            if char == last:
+                start = position - 1
+            elif not char.isspace():
+                break
+            position -= 1
+        return start
+    if last in ">]\ufffd" or "<" in text[-48:] or "[" in text[-8:]:
+        floor = max(0, end - _UNSETTLED_SCAN)
+        match = _ARTIFACTS_AT_END.search(text, floor, end)
+        if match is not None:
+            return match.start()
+    return end
+
+
 def first_visible(parts: list[str]) -> str:
     """The first non-whitespace character of the pieces, or ""."""
     for part in parts:

@@ -16,11 +16,13 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import orjson
 from multidict import CIMultiDict
 
 from gateway.apis import ApiAdapter
+from gateway.apis.base import EventSplice
 from gateway.config import (
     AfterRelease,
     ExhaustedPolicy,
@@ -57,6 +59,7 @@ from gateway.guard.request import GuardedRequest, attempt_overrides, body_with
 from gateway.guard.salt import SaltLadder, fresh_salt
 from gateway.guard.shared_state import RedisLink, SharedAnswerChains, SharedSaltMemory
 from gateway.guard.stream import StallWatch, StreamState
+from gateway.guard.tail import TailHold
 from gateway.guard.trace import Attempt, Trace
 from gateway.observe.evidence import EvidenceStore
 from gateway.observe.metrics import Metrics
@@ -178,6 +181,7 @@ class Guard:
         home = await self.answer_home(request.api, continued, headers) if continued else None
         trace, fingerprint = self._new_trace(request, started, client)
         trace.request_id = headers.get("x-request-id", "")
+        trace.upstream_headers = headers
         self.budget.record_request()
         salt = await self._first_salt(trace)
         backend = home or self._first_backend(fingerprint)
@@ -474,9 +478,15 @@ class Guard:
         salt: str | None,
         headers: CIMultiDict[str],
         trace: Trace,
+        *,
+        overrides: dict[str, Any] | None = None,
+        inspector: StreamInspector | None = None,
     ) -> Attempt:
+        """One attempt; with ``overrides`` and ``inspector`` a released stream's
+        continuation (its body changed so, its text read by ``inspector``, which has
+        the released text already, and never held back: it is relayed at once)."""
         trace.attempt_started = time.perf_counter()
-        body = body_with(request, attempt_overrides(request, salt))
+        body = body_with(request, {**attempt_overrides(request, salt), **(overrides or {})})
         if trace.attempts > 1:
             # A distinct upstream id per attempt: vLLM may still be aborting the
             # previous one, and its logs then tell the attempts apart.
@@ -498,7 +508,9 @@ class Guard:
                 if response.status == 200:
                     self._inspect_body(attempt, trace)
             else:
-                inspector = StreamInspector(self.detector_for(request.model))
+                continuing = inspector is not None
+                if inspector is None:
+                    inspector = StreamInspector(self.detector_for(request.model))
                 attempt.stream = StreamState(
                     response,
                     backend,
@@ -506,9 +518,11 @@ class Guard:
                     strip_usage=request.api.openai_chunks and not request.client_wants_usage,
                     events=request.api.event_reader(inspector),
                     parser=SSEParser(self.settings.upstream.max_sse_event_bytes),
+                    whole_events=continuing,
                 )
                 attempt.stream.watch_stalls(self.stalls)
-                await self._hold_back(attempt, trace)
+                if not continuing:
+                    await self._hold_back(attempt, trace)
         except BaseException:
             if attempt.stream is not None:
                 attempt.stream.close()
@@ -649,12 +663,20 @@ class Guard:
         each chunk written at once where the server allows (``write_now``), else
         sent. The stream's last bytes (from the read that brought
         ``[DONE]``, or a closing error event) are returned, to leave with the end of
-        the body in one write."""
+        the body in one write.
+
+        With ``after_release: continue`` the stream's unsettled end is held back
+        (``TailHold``); when it turns degenerate it is dropped and the answer is
+        continued from the text the client has (``_continuation``), whose stream is
+        relayed on in this one, rewritten by the API's splice."""
         state = attempt.stream
         assert state is not None
         inspector = state.inspector
         # A stream that ended while held was judged whole then (``_hold_back``).
         inspect = trace.inspecting and not state.ended()
+        tail = self._tail_for(trace, inspector) if inspect else None
+        splice: EventSplice | None = None
+        segment = attempt  # the attempt being relayed: the first, then a continuation
         released_clean = not attempt.verdict.degenerate
         opened = time.perf_counter()
         last = b""
@@ -662,30 +684,54 @@ class Guard:
             if state.held:
                 data = b"".join(state.held)
                 state.held.clear()
+                if tail is not None:
+                    tail.released(data)
                 if state.ended():
                     last = data
                 elif not write_now(data):
                     await send(data)
-            while (forward := await state.next_batch()) is not None:
-                if released_clean and inspect and inspector.suspect:
-                    late = inspector.partial_verdict()
-                    if late.kind is not None:
-                        released_clean = False
-                        verdict = "degenerate"
-                        cut = self._late_corruption(attempt, trace, late.kind)
-                        if cut is not None:
-                            return cut
+            while True:
+                forward = await state.next_batch()
+                ended = forward is None
+                if forward is not None and splice is not None:
+                    forward = [out for raw in forward if (out := splice.event(raw)) is not None]
+                if tail is not None and forward is not None:
+                    forward = tail.take(forward)
+                kind: DegenerateKind | None = None
+                if released_clean and inspect:
+                    if ended:
+                        kind = inspector.final_verdict().kind if state.done else None
+                    elif inspector.suspect:
+                        kind = inspector.partial_verdict().kind
+                if kind is not None:
+                    self._count_late(segment, trace, kind)
+                    if tail is not None and tail.continuable and tail.holding:
+                        if forward:  # the settled text goes out first: the client has it
+                            await send(b"".join(forward))
+                            forward = []
+                        continued = await self._continuation(segment, trace, tail, kind)
+                        if continued is not None:
+                            segment, splice = continued
+                            assert segment.stream is not None
+                            state, inspector = segment.stream, segment.stream.inspector
+                            verdict = "recovered"
+                            continue
+                    released_clean = False
+                    verdict = "degenerate"
+                    cut = self._after_release(segment, trace, kind, ended=ended)
+                    if cut is not None:
+                        return cut
+                if tail is not None and (ended or not released_clean):
+                    tail.continuable = False  # from here on relayed as it comes
+                    forward = tail.release_all(forward)
                 if forward:
                     data = forward[0] if len(forward) == 1 else b"".join(forward)
-                    if state.done or state.upstream_error:  # the stream's last bytes
-                        last = data
+                    if ended or state.done or state.upstream_error:  # the stream's last bytes
+                        last += data
                     elif not write_now(data):
                         await send(data)
-            if released_clean and inspect and state.done:
-                final = inspector.final_verdict()
-                if final.kind is not None:
-                    verdict = "degenerate"
-                    self._late_corruption(attempt, trace, final.kind, ended=True)
+                if ended:
+                    break
         except GatewayError as exc:
             verdict = "error"
             return last + state.error_event(exc)
@@ -702,22 +748,115 @@ class Guard:
             if not state.done:  # a complete stream is read to its end, then closed
                 state.close()
             relayed = time.perf_counter() - opened
-            attempt.upstream_s += relayed
+            segment.upstream_s += relayed
             trace.upstream_s += relayed
-            attempt.usage = state.usage
+            segment.usage = state.usage
             if state.upstream_error:
                 verdict = "error"
-            self.accounting.count_attempt(attempt, trace, degenerate=verdict == "degenerate")
-            self.accounting.finish(trace, attempt.backend, verdict)
+            self.accounting.count_attempt(segment, trace, degenerate=verdict == "degenerate")
+            if trace.continuations and not trace.client_gone:
+                outcome = "clean" if verdict == "recovered" else verdict
+                self.metrics.continuations.labels(trace.request.endpoint, outcome).inc()
+            self._settle(trace, recovered=None if trace.client_gone else verdict == "recovered")
+            self.accounting.finish(trace, segment.backend, verdict)
         return last
 
-    def _late_corruption(
+    def _tail_for(self, trace: Trace, inspector: StreamInspector) -> TailHold | None:
+        """The rolling hold-back of a released stream the guard may continue."""
+        request = trace.request
+        if (
+            self.mode is not GuardMode.ENFORCE
+            or self.settings.guard.stream.after_release is not AfterRelease.CONTINUE
+            or request.n != 1
+            or not request.api.can_continue(request.body)
+        ):
+            return None
+        return TailHold(inspector.detector.candidates, inspector)
+
+    async def _continuation(
+        self, segment: Attempt, trace: Trace, tail: TailHold, kind: DegenerateKind
+    ) -> tuple[Attempt, EventSplice] | None:
+        """A released stream's held end turned degenerate: ask for the answer's
+        continuation from exactly the text the client has, with a fresh salt (it
+        misses the poisoned blocks as a whole retry does), within ``max_attempts``
+        and the budget. None where that is refused: the stream goes on as ``pass``.
+
+        Raises a GatewayError (the stream ends with an in-band error) when the
+        continuation cannot be had from the backend."""
+        request = trace.request
+        backend = segment.backend
+        api = request.endpoint
+        if trace.continuations:
+            self._settle(trace, recovered=False)  # the last continuation degenerated too
+            self.metrics.continuations.labels(api, "degenerate").inc()
+        released = tail.released_text
+        generated = tail.released_events
+        overrides = request.api.continuation(request.full_body(), released, generated)
+        if (
+            overrides is None
+            or self.mode is not GuardMode.ENFORCE
+            or not self._may_retry(trace, backend)
+        ):
+            self.metrics.continuations.labels(api, "refused").inc()
+            return None
+        stream = segment.stream
+        assert stream is not None
+        stream.close()  # the rest of a degenerate answer is not worth reading
+        segment.usage = stream.usage
+        self.accounting.count_attempt(segment, trace, degenerate=True)
+        self.metrics.retries.labels(trace.model, backend.name, kind).inc()
+        salt = self._retry_salt(trace, failed=segment.salt)
+        backend = self.pool.choose_retry(
+            backend, self.settings.guard.retry_target, self.rng, failover=False
+        )
+        trace.attempts += 1
+        trace.continuations += 1
+        trace.route(backend)
+        headers = trace.upstream_headers
+        assert headers is not None
+        # The usage the client gets counts the original prompt: the continuation's
+        # prompt holds the released text too, as many tokens as vLLM makes of it.
+        in_prompt = await backend.count_tokens(request.model, released, headers)
+        splice = request.api.splice(
+            tail.first_bytes, generated if in_prompt is None else in_prompt, generated
+        )
+        if splice is None:
+            raise UpstreamProtocolError("the released stream's opening event is not JSON")
+        inspector = StreamInspector(self.detector_for(request.model))
+        inspector.feed_output(0, content=released)
+        continued = await self._attempt(
+            request, backend, salt, headers, trace, overrides=overrides, inspector=inspector
+        )
+        if continued.status != 200:
+            raise UpstreamProtocolError(
+                f"backend {backend.name} answered the continuation of a released stream "
+                f"with HTTP {continued.status}"
+            )
+        log.info(
+            "request %s (%s): released stream degenerate (%s) after %d characters; "
+            "continued on %s (attempt %d)",
+            trace.request_id, api, kind, len(released), backend.name, trace.attempts,
+        )  # fmt: skip
+        tail.drop()
+        tail.follow(inspector, inspector.text_events)
+        trace.continuing = continued
+        return continued, splice
+
+    def _count_late(self, attempt: Attempt, trace: Trace, kind: DegenerateKind) -> None:
+        """A released stream degenerated: counted and captured."""
+        trace.degenerate_seen = True
+        trace.kinds.append(kind)
+        self.metrics.count_degenerate(
+            trace.model, attempt.backend.name, kind, trace.request.endpoint
+        )
+        self.accounting.capture(attempt, trace, kind)
+
+    def _after_release(
         self, attempt: Attempt, trace: Trace, kind: DegenerateKind, *, ended: bool = False
     ) -> bytes | None:
-        """A released stream degenerated: count it; with policy "cut", end it in-band."""
+        """A released stream that degenerated and is not continued: with policy "cut",
+        ended in-band; else relayed, and counted as delivered."""
         backend = attempt.backend.name
-        self.metrics.count_degenerate(trace.model, backend, kind, trace.request.endpoint)
-        self.accounting.capture(attempt, trace, kind)
         if (
             not ended
             and self.mode is GuardMode.ENFORCE  # observe: detect and count, never change
@@ -736,6 +875,7 @@ class Guard:
 
     def _closed(self, attempt: Attempt, trace: Trace) -> None:
         """A released stream's end, however it came (even when its relay never ran)."""
-        if attempt.stream is not None:
-            attempt.stream.close()
+        for relayed in (attempt, trace.continuing):
+            if relayed is not None and relayed.stream is not None:
+                relayed.stream.close()
         trace.unroute()

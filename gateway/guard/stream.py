@@ -83,6 +83,9 @@ class StreamState:
     stall_watch: StallWatch | None = None
     #: Loop time at which the reader started waiting for the backend; 0: not waiting.
     waiting_since: float = 0.0
+    #: Every event is forwarded as its own bytes (a continuation's events are
+    #: rewritten one by one), never through the text-event fast path.
+    whole_events: bool = False
 
     def ended(self) -> bool:
         return self.done or self.upstream_error
@@ -209,7 +212,7 @@ class StreamState:
         (a paced stream's every read); one that does not start on an event boundary
         or has CR line ends goes to the parser whole, as does every chunk of a typed
         event stream (``events``)."""
-        if self.parser.pending or self.events is not None:
+        if self.parser.pending or self.events is not None or self.whole_events:
             return self._take_parsed(chunk)
         events = self.text_events
         head, tail = events.head, events.tail

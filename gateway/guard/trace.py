@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from multidict import CIMultiDict
+
 from gateway.apis import ApiAdapter, Usage
 from gateway.detect import CLEAN, Verdict
 from gateway.guard.budget import RetryTicket
@@ -50,6 +52,12 @@ class Trace:
     #: ``perf_counter`` when the latest attempt started: everything before it is the
     #: latency that retries and failovers added.
     attempt_started: float = 0.0
+    #: The headers each attempt is sent with (a continuation's too).
+    upstream_headers: CIMultiDict[str] | None = None
+    #: A released stream's continuation being relayed (closed with the stream).
+    continuing: Attempt | None = None
+    #: Continuations asked for after release.
+    continuations: int = 0
 
     def route(self, backend: Backend) -> None:
         """Hold the in-flight count on ``backend``, which serves the next attempt (a

@@ -205,6 +205,14 @@ class Metrics:
             ["model", "backend"],
             registry=r,
         )
+        self.continuations = Counter(
+            "vllm_guard_continuations",
+            "Streams that degenerated after release, continued from the text the client "
+            "already had (outcome: clean, degenerate, error), or not (refused: no "
+            "attempt or budget left, or the request cannot be continued).",
+            ["api", "outcome"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "vllm_guard_client_disconnects",
             "Clients that left before their answer was complete; the upstream request "

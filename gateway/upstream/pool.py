@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 from multidict import CIMultiDict
 from pydantic import SecretStr
 from yarl import URL
@@ -196,6 +197,29 @@ class Backend:
         if url is None:
             url = self.parsed_urls[path] = URL(self.url + path)
         return url
+
+    async def count_tokens(
+        self, model: str | None, text: str, headers: Mapping[str, str], timeout_s: float = 5.0
+    ) -> int | None:
+        """How many tokens the backend makes of ``text`` (vLLM's ``/tokenize``, no
+        special tokens); None where it cannot say."""
+        body = {"prompt": text, "add_special_tokens": False}
+        if model is not None:
+            body["model"] = model
+        sent = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+        sent["Content-Type"] = "application/json"  # the session adds none of its own
+        try:
+            async with self.session.post(
+                self.url + "/tokenize",
+                data=orjson.dumps(body),
+                headers=sent,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as response:
+                payload = await response.json() if response.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return None
+        count = payload.get("count") if isinstance(payload, dict) else None
+        return count if isinstance(count, int) and not isinstance(count, bool) else None
 
     async def probe_health(self, timeout_s: float) -> bool:
         try:

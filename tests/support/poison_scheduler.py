@@ -111,6 +111,21 @@ class PoisonScheduler(AsyncScheduler):
             self.poison_kinds,
         )
 
+    def add_request(self, request: Any) -> None:
+        """``"vllm_xargs": {"vg_log_prompt": <tag>}``: the request's prompt token ids and
+        whether it is salted go to the log, tagged (what a test checks a gateway asked
+        vLLM for, e.g. a continuation's prompt)."""
+        extra = getattr(request.sampling_params, "extra_args", None) or {}
+        tag = extra.get("vg_log_prompt")
+        if tag is not None:
+            log.warning(
+                "vg_prompt tag=%s salted=%s ids=%s",
+                tag,
+                bool(getattr(request, "cache_salt", None)),
+                ",".join(map(str, request.prompt_token_ids or [])),
+            )
+        super().add_request(request)
+
     def _faithful_kind(self, request: Any, extra: dict[str, Any], kinds: list[str]) -> str:
         """The faithful model: the state at the last reused block decides."""
         stats = request.prefill_stats

@@ -1,0 +1,154 @@
+"""The rolling hold-back after release: a released stream's unsettled end is kept back.
+
+Once a stream is released (``gateway.guard.release``), its text goes to the client
+as it arrives, except its end where that could still become one of the bug's
+signatures (``gateway.detect.text.unsettled_start``): a run of one punctuation
+character (the ``!`` of NaN logits), tokenizer artifacts, trailing whitespace. Held
+text is released as soon as what follows settles it ("Wow!" goes out with the next
+word), so a healthy stream is delayed by a token at most, and only after such a
+character. When the held end turns degenerate, none of it has been sent: the guard
+drops it and continues the answer from exactly the text the client has
+(``gateway.guard.continuation``).
+
+Only a stream the guard can continue is held this way: one output whose text is
+plain content (a continuation cannot resume reasoning or half a tool call). Once
+anything else shows, everything held is released and the rest passes through as
+before (``continuable`` False).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.detect import StreamInspector
+from gateway.detect.text import unsettled_start
+
+#: Most bytes kept back at once: a flood of whitespace settles nothing, yet is not
+#: the bug's signature; past this the held part is released.
+MAX_TAIL_BYTES = 64 * 1024
+
+
+@dataclass(slots=True)
+class _HeldBatch:
+    data: list[bytes]
+    #: The stream's text offset and text-event count at this batch's end.
+    text_end: int
+    events_end: int
+
+
+@dataclass(slots=True)
+class TailHold:
+    """One stream's rolling hold-back, across its continuations."""
+
+    candidates: frozenset[str]
+    inspector: StreamInspector
+    #: The stream can still be continued: one output, plain content so far.
+    continuable: bool = True
+    #: The text the client has been sent (its pieces), and how many text events
+    #: (tokens, without speculative decoding) carried it.
+    released_parts: list[str] = field(default_factory=list)
+    released_events: int = 0
+    #: The first bytes the client was sent: the stream's opening event (its id).
+    first_bytes: bytes = b""
+    _held: list[_HeldBatch] = field(default_factory=list)
+    _held_text: str = ""
+    _held_bytes: int = 0
+    #: Content pieces of the inspector's output already taken, and the text events
+    #: counted before the current inspector (a continuation's inspector starts anew).
+    _parts_seen: int = 0
+    _events_before: int = 0
+
+    @property
+    def released_text(self) -> str:
+        return "".join(self.released_parts)
+
+    @property
+    def holding(self) -> bool:
+        """Some text is held back (a degenerate end may be dropped)."""
+        return bool(self._held_text)
+
+    def follow(self, inspector: StreamInspector, events_before: int) -> None:
+        """A continuation's inspector, fed the released text already (``events_before``
+        of its text events stand for it)."""
+        self.inspector = inspector
+        choice = inspector.choices.get(0)
+        self._parts_seen = len(choice.content_parts) if choice is not None else 0
+        self._events_before = self.released_events - events_before
+
+    def released(self, data: bytes) -> None:
+        """Bytes released by the hold-back before this tail took over."""
+        if not self.first_bytes:
+            self.first_bytes = data
+        self._take_text()
+        self.released_parts.append(self._held_text)
+        self.released_events = self._events()
+        self._held_text = ""
+
+    def take(self, forward: list[bytes]) -> list[bytes]:
+        """One batch of the stream's events: what may be sent now."""
+        if not self.continuable:
+            return forward
+        if not self._take_text():
+            return self.release_all(forward)
+        self._held.append(_HeldBatch(forward, len(self._held_text), self._events()))
+        self._held_bytes += sum(map(len, forward))
+        if self._held_bytes > MAX_TAIL_BYTES:
+            return self.release_all()
+        keep_from = unsettled_start(self._held_text, self.candidates)
+        releasing = 0
+        for batch in self._held:
+            if batch.text_end > keep_from:
+                break
+            releasing += 1
+        if not releasing:
+            return []
+        return self._release(releasing)
+
+    def release_all(self, more: list[bytes] | None = None) -> list[bytes]:
+        """Everything held (and ``more``): the stream ended clean, or cannot be continued."""
+        out = self._release(len(self._held)) if self._held else []
+        if more:
+            out.extend(more)
+        return out
+
+    def drop(self) -> None:
+        """The held end turned degenerate: it is never sent."""
+        self._held.clear()
+        self._held_text = ""
+        self._held_bytes = 0
+
+    def _take_text(self) -> bool:
+        """Take the output's new text into the held text; False (and no longer
+        ``continuable``) once the stream shows what a continuation cannot resume."""
+        inspector = self.inspector
+        choice = inspector.choices.get(0)
+        if choice is None:
+            return True
+        if len(inspector.choices) > 1 or choice.reasoning_parts or choice.tool_arguments:
+            self.continuable = False
+            return False
+        parts = choice.content_parts
+        if len(parts) > self._parts_seen:
+            self._held_text += "".join(parts[self._parts_seen :])
+            self._parts_seen = len(parts)
+        return True
+
+    def _events(self) -> int:
+        return self._events_before + self.inspector.text_events
+
+    def _release(self, count: int) -> list[bytes]:
+        batches = self._held[:count]
+        del self._held[:count]
+        last = batches[-1]
+        text_end = last.text_end
+        if text_end:
+            self.released_parts.append(self._held_text[:text_end])
+            self._held_text = self._held_text[text_end:]
+            for batch in self._held:
+                batch.text_end -= text_end
+        self.released_events = last.events_end
+        out = [data for batch in batches for data in batch.data]
+        self._held_bytes -= sum(map(len, out))
+        if not self.first_bytes and out:
+            self.first_bytes = out[0]
+        return out

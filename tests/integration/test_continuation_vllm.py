@@ -1,0 +1,113 @@
+"""A stream that goes bad after its first byte, recovered by continuing it (issue 33),
+against the real tiny vLLM with the official SDK.
+
+The corruption is the test scheduler's ``vg_poison_after`` (``support.poison_scheduler``):
+an unsalted generation turns to token 0 (``!``) after N healthy tokens, as the async
+accepted-count race does mid-generation; a salted request is immune, as a fresh salt
+misses the poisoned blocks. The gateway holds the stream's unsettled end back, drops
+the ``!`` run, and asks vLLM to continue the answer from the text the client has,
+with a fresh salt. ``vg_log_prompt`` makes the scheduler log each request's prompt
+token ids and whether it is salted: what the gateway asked vLLM for.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import GatewayFactory, RunningVLLM, openai_client, scraped_metric
+
+#: A fixed prompt: greedy decoding of the tiny model then gives the same answer on
+#: every run, so the test is deterministic (no probabilistic outcome to bound).
+PROMPT = "continuation test: describe the settings page of the router"
+HEALTHY_TOKENS = 10
+MAX_TOKENS = 40
+#: Released at the first token, as the default will be: the corruption starts after
+#: ten healthy tokens, well after release.
+STREAM = {"release": "first_token"}
+
+
+def _prompts_logged(vllm: RunningVLLM, tag: str) -> list[tuple[bool, list[int]]]:
+    """(salted, prompt token ids) of each request vLLM received with ``tag``."""
+    found = re.findall(rf"vg_prompt tag={tag} salted=(\w+) ids=([\d,]*)", vllm.log_text())
+    return [(salted == "True", [int(i) for i in ids.split(",") if i]) for salted, ids in found]
+
+
+def _tokenize(vllm: RunningVLLM, **body: object) -> list[int]:
+    reply = httpx.post(vllm.url + "/tokenize", json={"model": vllm.model, **body}, timeout=30)
+    ids: list[int] = reply.json()["tokens"]
+    return ids
+
+
+def _stream_chat(client: openai.OpenAI, **common: Any) -> tuple[str, list[Any]]:
+    messages = [{"role": "user", "content": PROMPT}]
+    chunks = list(
+        client.chat.completions.create(  # type: ignore[call-overload]
+            messages=messages, stream=True, stream_options={"include_usage": True}, **common
+        )
+    )
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
+
+
+def _stream_completions(client: openai.OpenAI, **common: Any) -> tuple[str, list[Any]]:
+    chunks = list(
+        client.completions.create(  # type: ignore[call-overload]
+            prompt=PROMPT, stream=True, stream_options={"include_usage": True}, **common
+        )
+    )
+    return "".join(c.choices[0].text for c in chunks if c.choices), chunks
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_a_stream_corrupted_after_release_reaches_the_client_as_one_answer(
+    vllm: RunningVLLM, gateway_for: GatewayFactory, api: str
+) -> None:
+    gateway = gateway_for(vllm.url, guard={"stream": STREAM})
+    stream = _stream_chat if api == "chat" else _stream_completions
+    tag = f"{api}-{uuid.uuid4().hex[:8]}"  # this run's requests in the log
+    common = {"model": vllm.model, "max_tokens": MAX_TOKENS, "temperature": 0}
+    healthy, direct = stream(openai_client(vllm.url), **common, extra_body={"ignore_eos": True})
+    xargs = {"vg_poison_after": HEALTHY_TOKENS, "vg_log_prompt": tag}
+    text, chunks = stream(
+        openai_client(gateway.url), **common, extra_body={"ignore_eos": True, "vllm_xargs": xargs}
+    )
+
+    # One coherent answer: no '!' run, one id, one finish reason, usage of one answer.
+    assert "!!!" not in text
+    assert len({c.id for c in chunks}) == 1
+    assert len({c.created for c in chunks}) == 1
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert [f for f in finishes if f] == ["length"]
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert usage.prompt_tokens == direct[-1].usage.prompt_tokens
+    assert usage.completion_tokens == MAX_TOKENS  # released + continued: max_tokens honoured
+    if api == "chat":
+        roles = [c.choices[0].delta.role for c in chunks if c.choices]
+        assert [r for r in roles if r] == ["assistant"]
+
+    # What vLLM was asked: the poisoned generation, then a salted continuation whose
+    # prompt is the original prompt followed by exactly the text the client had.
+    (first_salted, first_ids), (salted, continued_ids) = _prompts_logged(vllm, tag)
+    assert not first_salted
+    assert salted
+    assert continued_ids[: len(first_ids)] == first_ids
+    released_ids = continued_ids[len(first_ids) :]
+    released = httpx.post(
+        vllm.url + "/detokenize", json={"model": vllm.model, "tokens": released_ids}, timeout=30
+    ).json()["prompt"]
+    assert released_ids == _tokenize(vllm, prompt=released, add_special_tokens=False)
+    assert text.startswith(released)
+    assert len(released) < len(text)
+    # The released text is the healthy answer's start (tokens before the corruption),
+    # and the continuation goes on from it instead of starting the answer again.
+    assert healthy.startswith(released)
+    assert not text[len(released) :].startswith(healthy[: len(released)])
+    assert scraped_metric(gateway.url, "vllm_guard_continuations_total", api=api,
+                          outcome="clean") == 1  # fmt: skip
+    assert scraped_metric(gateway.url, "vllm_guard_stream_cut_total") == 0
