@@ -240,7 +240,7 @@ ARTIFACT_STARTS = frozenset("<[\ufffd")
 #: Tokenizer artifacts ending a text, or the start of one still arriving ("<unk><un",
 #: "<|endof"), whitespace between them allowed.
 _ARTIFACTS_AT_END = re.compile(
-    rf"(?:{ARTIFACT}\s*)*(?:{ARTIFACT}|<[^\s<>]{{0,40}}|\[[A-Za-z]{{0,5}})\Z"
+    rf"\s*(?:{ARTIFACT}\s*)*(?:{ARTIFACT}|<[^\s<>]{{0,40}}|\[[A-Za-z]{{0,5}})\Z"
 )
 #: The unsettled tail is looked for in at most this many last characters: a run
 #: longer than the detectors' thresholds is decided before it gets there.
@@ -261,16 +261,13 @@ def unsettled_start(text: str, candidates: frozenset[str]) -> int:
         return 0
     last = text[end - 1]
     if last in candidates:
-        start = position = end - 1
+        # The run and the whitespace before it: the text a continuation continues
+        # ends on a settled character, whatever a template strips.
+        position = end - 1
         floor = max(0, end - _UNSETTLED_SCAN)
-        while position > floor:
-            char = text[position - 1]
-            if char == last:
-                start = position - 1
-            elif not char.isspace():
-                break
+        while position > floor and (text[position - 1] == last or text[position - 1].isspace()):
             position -= 1
-        return start
+        return position
     if last in ">]\ufffd" or "<" in text[-48:] or "[" in text[-8:]:
         floor = max(0, end - _UNSETTLED_SCAN)
         match = _ARTIFACTS_AT_END.search(text, floor, end)

@@ -1,0 +1,334 @@
+"""Continuing a released stream (issue 33): the unsettled end the rolling hold-back
+keeps, the continuation request each API gets, the splice of its events into the
+client's stream, and the guard loop doing it against a scripted backend.
+
+The scripted backend stands in for what the real vLLM cannot do on demand here (a
+continuation that degenerates again, a backend with no ``/tokenize``); the real
+path is ``tests/integration/test_continuation_vllm.py``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.apis import BY_NAME
+from gateway.apis.openai_chunks import ChunkSplice
+from gateway.config import DetectorSettings
+from gateway.detect import Detector, StreamInspector
+from gateway.detect.text import unsettled_start
+from gateway.guard.tail import MAX_TAIL_BYTES, TailHold
+from tests.unit.test_guard_loop import (
+    CLEAN_TEXT,
+    Script,
+    answers_stream,
+    chunk,
+    content_of,
+    guard_with,
+    handle,
+    metric,
+    relayed,
+    stream_of,
+)
+
+DETECTOR = Detector(DetectorSettings())
+CANDIDATES = DETECTOR.candidates
+
+# -- the unsettled end --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "held"),
+    [
+        ("Open the settings page", ""),
+        ("Open the settings page.", ""),  # "." is never a run's character
+        ("Wow!", "!"),
+        ("Wow! !  !", "! !  !"),  # whitespace between repeats is part of the run
+        ("Wow \n!!", " \n!!"),  # and the whitespace before it
+        ("Really?!", "!"),  # a run is one character: "?" is settled by "!"
+        ("Save it,", ","),
+        ("line one\n", "\n"),  # a template may strip it from the continued text
+        ("tabs \t ", " \t "),
+        ("!!!!", "!!!!"),
+        ("text<unk>", "<unk>"),
+        ("text <unk> <pad>", " <unk> <pad>"),
+        ("text <|endof", " <|endof"),  # an artifact still arriving
+        ("a [PA", " [PA"),
+        ("bytes\ufffd", "\ufffd"),
+        ("x < y and a > b", ""),
+        ("<div>", ""),
+        ("", ""),
+        ("   ", "   "),
+        ("日本語!", "!"),
+    ],
+)
+def test_unsettled_end(text: str, held: str) -> None:
+    assert text[unsettled_start(text, CANDIDATES) :] == held
+
+
+# -- the rolling hold-back ----------------------------------------------------------
+
+
+def fed(tail: TailHold, *pieces: str) -> list[bytes]:
+    """Feed each piece as one event, as StreamState does; what the tail sends."""
+    sent: list[bytes] = []
+    for piece in pieces:
+        event = chunk(piece)
+        tail.inspector.feed(orjson.loads(event[6:]))
+        sent.extend(tail.take([event]))
+    return sent
+
+
+def new_tail() -> TailHold:
+    inspector = StreamInspector(DETECTOR)
+    inspector.open_choice(0)
+    return TailHold(CANDIDATES, inspector)
+
+
+def test_the_tail_sends_settled_text_at_once_and_holds_an_unsettled_end() -> None:
+    tail = new_tail()
+    assert content_of(b"".join(fed(tail, "Open", " the"))) == "Open the"
+    assert fed(tail, " door!") == []  # could start a run of "!"
+    assert tail.holding
+    assert content_of(b"".join(fed(tail, " Now"))) == " door! Now"  # settled
+    assert not tail.holding
+    assert tail.released_text == "Open the door! Now"
+    assert tail.released_events == 4
+
+
+def test_the_tail_drops_a_degenerate_end_and_keeps_what_was_sent() -> None:
+    tail = new_tail()
+    fed(tail, "Open", " the door", "\n")
+    assert fed(tail, "!!!", "!!!") == []
+    assert tail.released_text == "Open the door"  # the newline went with the run
+    tail.drop()
+    assert not tail.holding
+    assert tail.released_events == 2
+
+
+def test_the_tail_lets_go_of_a_stream_it_cannot_continue() -> None:
+    tail = new_tail()
+    fed(tail, "Wow!")
+    reasoning = chunk(reasoning_content="hmm")  # a field a continuation cannot resume
+    event = b'data: {"choices":[{"index":0,"delta":{"reasoning_content":"hmm"}}]}\n\n'
+    tail.inspector.feed(orjson.loads(event[6:]))
+    assert reasoning
+    assert tail.take([event]) == [chunk("Wow!"), event]
+    assert not tail.continuable
+    assert fed(tail, "!!!") == [chunk("!!!")]  # passes as it comes
+
+
+def test_the_tail_releases_a_flood_it_cannot_settle() -> None:
+    tail = new_tail()
+    assert content_of(b"".join(fed(tail, "ok"))) == "ok"
+    piece = " " * 1000
+    sent = fed(tail, *[piece] * (MAX_TAIL_BYTES // 1000 + 1))
+    assert len(sent) > 50  # the held whitespace let go of at MAX_TAIL_BYTES
+
+
+# -- the continuation request ---------------------------------------------------------
+
+CHAT = BY_NAME["chat"]
+COMPLETIONS = BY_NAME["completions"]
+USER = [{"role": "user", "content": "go"}]
+
+
+@pytest.mark.parametrize(
+    ("extra", "limits"),
+    [
+        ({}, {}),
+        ({"max_tokens": 40}, {"max_tokens": 33}),
+        ({"max_completion_tokens": 40, "min_tokens": 10}, {"max_completion_tokens": 33,
+                                                           "min_tokens": 3}),
+        ({"max_tokens": 5}, {"max_tokens": 1}),  # at least one: the held tokens were spent
+        ({"min_tokens": 3}, {"min_tokens": 0}),
+    ],
+)  # fmt: skip
+def test_a_chat_continuation_asks_for_the_rest_of_the_answer(
+    extra: dict[str, Any], limits: dict[str, int]
+) -> None:
+    released = "café 日本語\n  x"
+    fields = CHAT.continuation({"messages": USER, **extra}, released, 7)
+    assert fields == {
+        "messages": [*USER, {"role": "assistant", "content": released}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        **limits,
+    }
+
+
+def test_a_client_continuing_its_own_message_has_the_text_appended() -> None:
+    messages = [*USER, {"role": "assistant", "content": "The answer is"}]
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    fields = CHAT.continuation(body, " forty", 1)
+    assert fields is not None
+    assert fields["messages"][-1] == {"role": "assistant", "content": "The answer is forty"}
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"n": 2},
+        {"response_format": {"type": "json_object"}},
+        {"structured_outputs": {"regex": "a+"}},
+        {"tool_choice": "required"},
+        {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+        {"echo": True},
+        {"prompt_logprobs": 1},
+        {"continue_final_message": True},  # with a last message that is not text
+    ],
+)
+def test_a_request_whose_answer_a_continuation_would_change_is_not_continued(
+    extra: dict[str, Any],
+) -> None:
+    messages = [*USER, {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]
+    body = {"messages": messages if "continue_final_message" in extra else USER, **extra}
+    assert CHAT.continuation(body, "text", 1) is None
+    if "continue_final_message" not in extra:
+        assert not CHAT.can_continue(body)
+    assert CHAT.continuation({"messages": USER, "response_format": {"type": "text"}}, "a", 1)
+
+
+def test_a_completions_continuation_is_the_prompt_and_the_text() -> None:
+    assert COMPLETIONS.continuation({"prompt": "Once upon"}, " a time\n", 3) == {
+        "prompt": "Once upon a time\n",
+        "max_tokens": 13,  # vLLM's default of 16, less the 3 generated
+    }
+    assert COMPLETIONS.continuation({"prompt": ["a", "b"]}, "x", 1) is None
+    assert COMPLETIONS.continuation({"prompt": "p", "suffix": "s"}, "x", 1) is None
+
+
+# -- the splice -----------------------------------------------------------------------
+
+OPENING = (
+    b'data: {"id":"chatcmpl-orig","object":"chat.completion.chunk","created":111,'
+    b'"model":"m","system_fingerprint":"fp-1","choices":[{"index":0,'
+    b'"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+    b'data: {"id":"chatcmpl-orig","choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+)
+
+
+def continuation_event(**fields: Any) -> bytes:
+    body = {"id": "chatcmpl-new", "object": "chat.completion.chunk", "created": 222,
+            "model": "m", **fields}  # fmt: skip
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def test_the_splice_gives_the_continuation_the_answers_identity() -> None:
+    splice = ChunkSplice.of(OPENING, prompt_less=6, completion_more=5)
+    assert splice is not None
+    role = continuation_event(
+        choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
+                  "logprobs": None, "finish_reason": None}]
+    )  # fmt: skip
+    assert splice.event(role) is None  # the client has its role chunk
+    text = splice.event(continuation_event(choices=[{"index": 0, "delta": {"content": " 日本\n"}}]))
+    assert text is not None
+    out = orjson.loads(text[6:])
+    assert (out["id"], out["created"], out["system_fingerprint"]) == ("chatcmpl-orig", 111, "fp-1")
+    assert out["choices"][0]["delta"] == {"content": " 日本\n"}  # the text byte for byte
+    usage = {"prompt_tokens": 20, "completion_tokens": 30, "total_tokens": 50}
+    spliced = splice.event(continuation_event(choices=[], usage=usage))
+    assert spliced is not None
+    assert orjson.loads(spliced[6:])["usage"] == {
+        "prompt_tokens": 14, "completion_tokens": 35, "total_tokens": 49,
+    }  # fmt: skip
+    assert splice.event(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+
+
+# -- the guard loop -------------------------------------------------------------------
+
+BANG_RUN = ["!!!!"] * 20
+
+
+def paced(events: list[bytes]) -> Any:
+    """A stream whose events arrive one by one, as vLLM paces its tokens (an answer
+    that arrives whole is judged whole while it is held: no release to recover)."""
+    return answers_stream(events, gap_s=0.005)
+
+
+FIRST_TOKEN = {"release": "first_token"}
+
+
+def assistant_text(sent: dict[str, Any]) -> str:
+    message = sent["messages"][-1]
+    assert message["role"] == "assistant"
+    text: str = message["content"]
+    return text
+
+
+def test_a_stream_that_degenerates_after_release_is_continued() -> None:
+    async def scenario() -> None:
+        late = stream_of("Open", " the", " café", "\n", *BANG_RUN)
+        script = Script([paced(late), answers_stream(stream_of(" 日本 settings."))])
+        async with guard_with(script, stream=FIRST_TOKEN) as guard:
+            body = await relayed(await handle(guard, stream=True))
+            continuation = script.received[1]
+            # Continued from exactly the text the client had (the held newline went
+            # with the run), with a fresh salt, under the original's identity.
+            assert assistant_text(continuation) == "Open the café"
+            assert continuation["continue_final_message"] is True
+            assert continuation["add_generation_prompt"] is False
+            assert continuation["cache_salt"]
+            assert "cache_salt" not in script.received[0]
+            assert content_of(body) == "Open the café 日本 settings."
+            assert body.count(b'"finish_reason":"stop"') == 1
+            assert body.endswith(b"data: [DONE]\n\n")
+            assert b"error" not in body
+            assert metric(guard, "vllm_guard_continuations_total", outcome="clean") == 1
+            assert metric(guard, "vllm_guard_requests_total", verdict="recovered") == 1
+            assert metric(guard, "vllm_guard_degenerate_delivered_total") == 0
+            assert guard.pool.backends[0].in_flight == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_continuation_that_degenerates_is_continued_again() -> None:
+    async def scenario() -> None:
+        script = Script([
+            paced(stream_of(CLEAN_TEXT, *BANG_RUN)),
+            paced(stream_of(" More", *BANG_RUN)),
+            answers_stream(stream_of(" Done.")),
+        ])  # fmt: skip
+        async with guard_with(script, stream=FIRST_TOKEN) as guard:
+            body = await relayed(await handle(guard, stream=True))
+            assert assistant_text(script.received[2]) == CLEAN_TEXT + " More"
+            assert content_of(body) == CLEAN_TEXT + " More Done."
+            assert metric(guard, "vllm_guard_continuations_total", outcome="degenerate") == 1
+            assert metric(guard, "vllm_guard_continuations_total", outcome="clean") == 1
+            salts = {r["cache_salt"] for r in script.received[1:]}
+            assert len(salts) == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_with_no_attempt_left_is_relayed_as_before() -> None:
+    async def scenario() -> None:
+        script = Script([paced(stream_of(CLEAN_TEXT, *BANG_RUN))])
+        async with guard_with(script, stream=FIRST_TOKEN, max_attempts=1) as guard:
+            body = await relayed(await handle(guard, stream=True))
+            assert content_of(body) == CLEAN_TEXT + "".join(BANG_RUN)
+            assert metric(guard, "vllm_guard_continuations_total", outcome="refused") == 1
+            assert metric(guard, "vllm_guard_degenerate_delivered_total") == 1
+            assert len(script.received) == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_that_ends_on_a_short_degenerate_run_is_continued() -> None:
+    """A run that only the final verdict calls degenerate (a whole answer of a few
+    ``!`` after text would not be; a trailing run of 16 is) is still held at the end."""
+
+    async def scenario() -> None:
+        script = Script([
+            paced(stream_of("Hello", " " + "!" * 16)),
+            answers_stream(stream_of(" world.")),
+        ])  # fmt: skip
+        async with guard_with(script, stream=FIRST_TOKEN) as guard:
+            body = await relayed(await handle(guard, stream=True))
+            assert content_of(body) == "Hello world."
+            assert assistant_text(script.received[1]) == "Hello"
+
+    asyncio.run(scenario())
