@@ -280,6 +280,10 @@ class ReleasePolicy(StrEnum):
     #: (a run of punctuation, an empty answer, leaked tokenizer artifacts); longer
     #: patterns (loops) are left to the after-release policy.
     FIRST_TOKEN = "first_token"
+    #: ``first_token`` where a corruption after release is recovered by continuing
+    #: the answer (``after_release: continue``, an API and a request that can be
+    #: continued, an answer that starts with content), ``adaptive`` elsewhere.
+    AUTO = "auto"
 
 
 class StreamSettings(_Strict):
@@ -294,7 +298,7 @@ class StreamSettings(_Strict):
     #: token_loop_max_unit_chars). 0 disables hold-back (streams are then only
     #: inspected and counted).
     holdback_chars: Annotated[int, Field(ge=0)] | None = None
-    release: ReleasePolicy = ReleasePolicy.ADAPTIVE
+    release: ReleasePolicy = ReleasePolicy.AUTO
     after_release: AfterRelease = AfterRelease.CONTINUE
 
 

@@ -328,15 +328,17 @@ class StreamInspector:
                 healthy = False
         return CLEAN if healthy else None
 
-    def first_token_release(self, expected_choices: int) -> bool:
+    def first_token_release(self, expected_choices: int, *, content_only: bool = False) -> bool:
         """Every choice has shown a first visible character that cannot start one of
         the bug's signatures: not punctuation that punct_run counts (a run of ``!``),
         not the start of a tokenizer artifact (``<``, ``[``, U+FFFD). An answer with
-        nothing visible yet may still be empty; a tool call is held until it ends."""
+        nothing visible yet may still be empty; a tool call is held until it ends.
+        ``content_only``: an answer that starts with reasoning is not released so (a
+        continuation cannot resume reasoning)."""
         if len(self.choices) < expected_choices:
             return False
         for state in self.choices.values():
-            if state.tool_arguments:
+            if state.tool_arguments or (content_only and state.reasoning_parts):
                 return False
             first = first_visible(state.content_parts) or first_visible(state.reasoning_parts)
             if not first or first in self.detector.candidates or first in ARTIFACT_STARTS:

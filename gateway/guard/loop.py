@@ -565,7 +565,9 @@ class Guard:
         if ceiling == 0:
             return
         min_release = min(self.settings.guard.stream.min_release_chars, ceiling)
-        first_token = self.release_for(request.model) is ReleasePolicy.FIRST_TOKEN
+        policy = self.release_for(request.model)
+        continuable = policy is ReleasePolicy.AUTO and self._continuable(request)
+        first_token = policy is ReleasePolicy.FIRST_TOKEN or continuable
         inspector = state.inspector
         held_bytes = 0
         while (forward := await state.next_batch()) is not None:
@@ -580,6 +582,7 @@ class Guard:
                 ceiling,
                 full=held_bytes >= MAX_HELD_BYTES,
                 first_token=first_token,
+                content_only=continuable,
             )
             if decision is not None:
                 attempt.verdict = decision
@@ -763,15 +766,18 @@ class Guard:
 
     def _tail_for(self, trace: Trace, inspector: StreamInspector) -> TailHold | None:
         """The rolling hold-back of a released stream the guard may continue."""
-        request = trace.request
-        if (
-            self.mode is not GuardMode.ENFORCE
-            or self.settings.guard.stream.after_release is not AfterRelease.CONTINUE
-            or request.n != 1
-            or not request.api.can_continue(request.body)
-        ):
+        if not self._continuable(trace.request):
             return None
         return TailHold(inspector.detector.candidates, inspector)
+
+    def _continuable(self, request: GuardedRequest) -> bool:
+        """A degenerate end after release may be continued (``after_release: continue``)."""
+        return (
+            self.mode is GuardMode.ENFORCE
+            and self.settings.guard.stream.after_release is AfterRelease.CONTINUE
+            and request.n == 1
+            and request.api.can_continue(request.body)
+        )
 
     async def _continuation(
         self, segment: Attempt, trace: Trace, tail: TailHold, kind: DegenerateKind

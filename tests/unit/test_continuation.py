@@ -332,3 +332,59 @@ def test_a_stream_that_ends_on_a_short_degenerate_run_is_continued() -> None:
             assert assistant_text(script.received[1]) == "Hello"
 
     asyncio.run(scenario())
+
+
+# -- the default release: the first token, where a continuation can recover ----------
+
+
+def answers_then_pauses(first: list[bytes], rest: list[bytes], go_on: asyncio.Event) -> Any:
+    """A stream that sends ``first``, then waits for ``go_on`` before the rest."""
+
+    async def answer(request: Any) -> Any:
+        from aiohttp import web
+
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for event in first:
+            await response.write(event)
+        await go_on.wait()
+        for event in rest:
+            await response.write(event)
+        return response
+
+    return answer
+
+
+REASONING_FIRST = b'data: {"id":"c","choices":[{"index":0,"delta":{"reasoning_content":"Hm"}}]}\n\n'
+
+
+@pytest.mark.parametrize(
+    ("first", "released_at_once"),
+    [
+        ([chunk("Open")], True),  # content that cannot start a signature
+        ([chunk("!")], False),  # could be the start of a run of "!"
+        ([REASONING_FIRST], False),  # reasoning cannot be continued: held adaptively
+    ],
+)
+def test_by_default_a_stream_is_released_at_its_first_token_where_it_can_be_continued(
+    first: list[bytes], released_at_once: bool
+) -> None:
+    """With the defaults (release: auto, after_release: continue) the first token is
+    released while the backend has sent nothing more, unless it could start a
+    signature or the answer starts with reasoning. The backend is paused until the
+    test lets it go on: no timing decides the outcome (a held stream cannot be
+    released without more text; 0.3 s only bounds how long the test looks)."""
+
+    async def scenario() -> None:
+        go_on = asyncio.Event()
+        rest = stream_of(" the settings page and click Save, then close it.")
+        script = Script([answers_then_pauses(first, rest, go_on)])
+        async with guard_with(script) as guard:
+            handling = asyncio.ensure_future(handle(guard, stream=True))
+            done, _ = await asyncio.wait({handling}, timeout=0.3 if not released_at_once else 5)
+            assert bool(done) == released_at_once
+            go_on.set()
+            body = await relayed(await handling)
+            assert content_of(body).endswith("close it.")
+
+    asyncio.run(scenario())
