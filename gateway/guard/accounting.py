@@ -117,16 +117,17 @@ class Accounting:
             "attempts": trace.attempts,
             "kinds": trace.kinds,
             "rung": trace.rung,
+            "continuations": trace.continuations,
             "outcome": verdict,
             "duration_ms": round(elapsed * 1000, 1),
             "added_ms": round(added * 1000, 1),
         }
         log.info(
-            "request %s (%s, model %s): %s after %d attempt(s) [%s], backend %s, salt rung "
-            "%d, %.0f ms (%.0f ms added by retries)",
+            "request %s (%s, model %s): %s after %d attempt(s) [%s], %d continued after "
+            "release, backend %s, salt rung %d, %.0f ms (%.0f ms added by retries)",
             trace.request_id, fields["api"], trace.model, verdict, trace.attempts,
-            ", ".join(trace.kinds) or "-", backend.name, trace.rung, elapsed * 1000,
-            added * 1000,
+            ", ".join(trace.kinds) or "-", trace.continuations, backend.name, trace.rung,
+            elapsed * 1000, added * 1000,
             extra={"fields": fields},
         )  # fmt: skip
 

@@ -65,7 +65,7 @@ def _stream_completions(client: openai.OpenAI, **common: Any) -> tuple[str, list
 
 @pytest.mark.parametrize("api", ["chat", "completions"])
 def test_a_stream_corrupted_after_release_reaches_the_client_as_one_answer(
-    vllm: RunningVLLM, gateway_for: GatewayFactory, api: str
+    vllm: RunningVLLM, gateway_for: GatewayFactory, api: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     gateway = gateway_for(vllm.url, guard={"stream": STREAM})
     stream = _stream_chat if api == "chat" else _stream_completions
@@ -73,9 +73,13 @@ def test_a_stream_corrupted_after_release_reaches_the_client_as_one_answer(
     common = {"model": vllm.model, "max_tokens": MAX_TOKENS, "temperature": 0}
     healthy, direct = stream(openai_client(vllm.url), **common, extra_body={"ignore_eos": True})
     xargs = {"vg_poison_after": HEALTHY_TOKENS, "vg_log_prompt": tag}
-    text, chunks = stream(
-        openai_client(gateway.url), **common, extra_body={"ignore_eos": True, "vllm_xargs": xargs}
-    )
+    with caplog.at_level("INFO", logger="gateway.guard.accounting"):
+        text, chunks = stream(
+            openai_client(gateway.url),
+            **common,
+            extra_body={"ignore_eos": True, "vllm_xargs": xargs},
+            extra_headers={"x-request-id": tag},
+        )
 
     # One coherent answer: no '!' run, one id, one finish reason, usage of one answer.
     assert "!!!" not in text
@@ -111,3 +115,7 @@ def test_a_stream_corrupted_after_release_reaches_the_client_as_one_answer(
     assert scraped_metric(gateway.url, "vllm_guard_continuations_total", api=api,
                           outcome="clean") == 1  # fmt: skip
     assert scraped_metric(gateway.url, "vllm_guard_stream_cut_total") == 0
+    (outcome,) = [getattr(r, "fields", {}) for r in caplog.records if tag in r.message]
+    assert (outcome["outcome"], outcome["attempts"], outcome["continuations"]) == (
+        "recovered", 2, 1,
+    )  # fmt: skip

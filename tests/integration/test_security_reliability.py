@@ -199,7 +199,7 @@ def test_evidence_capture(
     outcomes = [getattr(r, "fields", None) for r in caplog.records if "evidence-req-1" in r.message]
     assert outcomes == [
         {"api": "chat", "model": "tiny", "backend": "vllm0", "attempts": 2,
-         "kinds": ["punct_run"], "rung": 1, "outcome": "recovered",
+         "kinds": ["punct_run"], "rung": 1, "continuations": 0, "outcome": "recovered",
          "duration_ms": outcomes[0]["duration_ms"], "added_ms": outcomes[0]["added_ms"]}
     ]  # fmt: skip
     assert 0 < outcomes[0]["added_ms"] < outcomes[0]["duration_ms"]
