@@ -23,6 +23,7 @@ import orjson
 from gateway.config import SaltReuseSettings
 from gateway.detect import ChoiceOutput, Detector, StreamInspector, Verdict, as_text
 from gateway.errors import GatewayError
+from gateway.wire.sse import DONE, lf_event
 
 #: Request fields every API routes on (parsed by ``gateway.guard.request``).
 COMMON_ROUTING_FIELDS = ("model", "stream", "n", "cache_salt", "stream_options")
@@ -67,6 +68,21 @@ class EventReader(Protocol):
     def error_event(self, error: GatewayError) -> bytes:
         """An in-band error in this API's event shape, ending the client's stream."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasedPart:
+    """What the client has been sent of an answer that is being continued."""
+
+    #: The first and the latest bytes sent (the stream's opening events: the answer's
+    #: identity; its latest: where its numbering stands).
+    opening: bytes
+    latest: bytes
+    #: The text sent, the events (tokens) that carried it, and the tokens it takes in
+    #: the continuation's prompt (vLLM's own count).
+    text: str
+    generated: int
+    in_prompt: int
 
 
 class EventSplice(Protocol):
@@ -152,10 +168,8 @@ class ApiAdapter(ABC):
         it), or None where this API or this request cannot be continued."""
         return None
 
-    def splice(self, opening: bytes, prompt_less: int, completion_more: int) -> EventSplice | None:
-        """The rewriter of a continuation's events (``opening``: the first bytes the
-        client was sent; ``prompt_less``: the released text's tokens in the
-        continuation's prompt; ``completion_more``: the tokens generated for it);
+    def splice(self, released: ReleasedPart) -> EventSplice | None:
+        """The rewriter of a continuation's events into the stream the client has;
         None where ``continuation`` is None."""
         return None
 
@@ -177,3 +191,37 @@ def integer(value: object) -> int | None:
 def event_bytes(event: str, payload: Mapping[str, Any]) -> bytes:
     """One typed SSE event (``event:`` line and JSON data)."""
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
+def remaining_tokens(
+    body: Mapping[str, Any], used: int, fields: tuple[str, ...], default: int | None
+) -> dict[str, Any]:
+    """The token limits of a continuation: what the released tokens left of each."""
+    out: dict[str, Any] = {}
+    for name in fields:
+        limit = integer(body.get(name))
+        if limit is None and name == fields[-1] and default is not None and not out:
+            limit = default
+        if limit is not None:
+            out[name] = max(1, limit - used)
+    min_tokens = integer(body.get("min_tokens"))
+    if min_tokens:
+        out["min_tokens"] = max(0, min_tokens - used)
+    return out
+
+
+def json_events(data: bytes) -> list[dict[str, Any]]:
+    """The JSON objects of the complete SSE events in ``data`` (bytes the client was
+    sent: whole events), in order; events that are not JSON objects are skipped."""
+    out = []
+    for raw in data.replace(b"\r\n", b"\n").split(b"\n\n"):
+        payload = lf_event(raw).data if raw.strip() else None
+        if not payload or payload == DONE:
+            continue
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(event, dict):
+            out.append(event)
+    return out

@@ -14,7 +14,15 @@ from typing import Any, ClassVar
 
 import orjson
 
-from gateway.apis.base import ApiAdapter, EventSplice, Usage, integer
+from gateway.apis.base import (
+    ApiAdapter,
+    EventSplice,
+    ReleasedPart,
+    Usage,
+    integer,
+    json_events,
+    remaining_tokens,
+)
 from gateway.config import SaltReuseSettings
 from gateway.detect import ChoiceOutput, Detector, Verdict, as_text, choice_index
 from gateway.wire.sse import DONE, lf_event
@@ -106,23 +114,6 @@ def continuable(body: Mapping[str, Any]) -> bool:
     return not (tool_choice == "required" or isinstance(tool_choice, dict))
 
 
-def remaining_tokens(
-    body: Mapping[str, Any], used: int, fields: tuple[str, ...], default: int | None
-) -> dict[str, Any]:
-    """The token limits of a continuation: what the released tokens left of each."""
-    out: dict[str, Any] = {}
-    for name in fields:
-        limit = integer(body.get(name))
-        if limit is None and name == fields[-1] and default is not None and not out:
-            limit = default
-        if limit is not None:
-            out[name] = max(1, limit - used)
-    min_tokens = integer(body.get("min_tokens"))
-    if min_tokens:
-        out["min_tokens"] = max(0, min_tokens - used)
-    return out
-
-
 @dataclass(slots=True)
 class ChunkSplice:
     """A continuation's chunk stream rewritten into the client's (``EventSplice``):
@@ -136,17 +127,12 @@ class ChunkSplice:
     completion_more: int
 
     @classmethod
-    def of(cls, opening: bytes, prompt_less: int, completion_more: int) -> ChunkSplice | None:
-        end = opening.find(b"\n\n")
-        data = lf_event(opening[: end if end >= 0 else len(opening)]).data
-        try:
-            first = orjson.loads(data) if data else None
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(first, dict):
+    def of(cls, released: ReleasedPart) -> ChunkSplice | None:
+        first = next(iter(json_events(released.opening)), None)
+        if first is None:
             return None
         identity = {k: first[k] for k in _IDENTITY if k in first}
-        return cls(identity, prompt_less, completion_more)
+        return cls(identity, released.in_prompt, released.generated)
 
     def event(self, raw: bytes) -> bytes | None:
         data = lf_event(raw.rstrip(b"\r\n")).data
@@ -189,8 +175,8 @@ def _says_nothing(choice: object) -> bool:
 class _OpenAIChoices(ApiAdapter):
     openai_chunks: ClassVar[bool] = True
 
-    def splice(self, opening: bytes, prompt_less: int, completion_more: int) -> EventSplice | None:
-        return ChunkSplice.of(opening, prompt_less, completion_more)
+    def splice(self, released: ReleasedPart) -> EventSplice | None:
+        return ChunkSplice.of(released)
 
     def can_continue(self, body: Mapping[str, Any]) -> bool:
         return continuable(body)

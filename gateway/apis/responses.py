@@ -33,20 +33,27 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import orjson
+
 from gateway.apis.base import (
     BACKEND_ERROR,
     NO_SIGNAL,
     ApiAdapter,
     EventReader,
     EventSignal,
+    EventSplice,
+    ReleasedPart,
     Usage,
     event_bytes,
     integer,
+    json_events,
+    remaining_tokens,
     text,
 )
 from gateway.config import SaltReuseSettings
 from gateway.detect import ChoiceOutput, StreamInspector
 from gateway.errors import GatewayError
+from gateway.wire.sse import lf_event
 
 #: Events that end a Responses stream.
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -173,6 +180,96 @@ class ResponsesEventReader(EventReader):
         )
 
 
+#: A continuation's opening events: the client has the original's.
+_OPENING_EVENTS = frozenset({
+    "response.created", "response.in_progress", "response.output_item.added",
+    "response.content_part.added",
+})  # fmt: skip
+
+
+@dataclass(slots=True)
+class ResponsesSplice(EventSplice):
+    """A continuation's events rewritten into the client's Responses stream: its
+    opening events dropped, the original response and message ids, sequence numbers
+    going on from the last one the client has, the released text before the
+    continuation's in every event that carries the whole text, and usage of one
+    answer."""
+
+    response_id: str
+    created_at: object
+    item_id: str
+    released: ReleasedPart
+    next_sequence: int
+
+    @classmethod
+    def of(cls, released: ReleasedPart) -> ResponsesSplice | None:
+        opening = json_events(released.opening)
+        response = next(
+            (e.get("response") for e in opening if e.get("type") == "response.created"), None
+        )
+        item = next(
+            (e.get("item") for e in opening if e.get("type") == "response.output_item.added"), None
+        )
+        latest = [e.get("sequence_number") for e in json_events(released.latest)]
+        if not isinstance(response, dict) or not isinstance(item, dict) or not latest:
+            return None
+        last = latest[-1]
+        if not isinstance(last, int) or not isinstance(item.get("id"), str):
+            return None
+        return cls(
+            text(response.get("id")), response.get("created_at"), item["id"], released, last + 1
+        )
+
+    def event(self, raw: bytes) -> bytes | None:
+        data = lf_event(raw.rstrip(b"\r\n")).data
+        if data is None:
+            return raw
+        payload = orjson.loads(data)  # StreamState has parsed it once already
+        kind = payload.get("type")
+        if kind in _OPENING_EVENTS:
+            return None
+        if "item_id" in payload:
+            payload["item_id"] = self.item_id
+        before = self.released.text
+        if kind == "response.output_text.done":
+            payload["text"] = before + text(payload.get("text"))
+        elif kind == "response.content_part.done":
+            self._prefix_part(payload.get("part"))
+        elif kind == "response.output_item.done":
+            self._rewrite_item(payload.get("item"))
+        elif kind in TERMINAL_EVENTS and isinstance(response := payload.get("response"), dict):
+            response["id"] = self.response_id
+            response["created_at"] = self.created_at
+            for item in response.get("output") or ():
+                self._rewrite_item(item)
+            self._one_answers_usage(response.get("usage"))
+        if "sequence_number" in payload:
+            payload["sequence_number"] = self.next_sequence
+            self.next_sequence += 1
+        return event_bytes(str(kind), payload)
+
+    def _rewrite_item(self, item: object) -> None:
+        if isinstance(item, dict) and item.get("type") == "message":
+            item["id"] = self.item_id
+            parts = item.get("content")
+            if isinstance(parts, list) and parts:
+                self._prefix_part(parts[0])
+
+    def _prefix_part(self, part: object) -> None:
+        if isinstance(part, dict) and part.get("type") == "output_text":
+            part["text"] = self.released.text + text(part.get("text"))
+
+    def _one_answers_usage(self, usage: object) -> None:
+        if not isinstance(usage, dict):
+            return
+        prompt, completion = integer(usage.get("input_tokens")), integer(usage.get("output_tokens"))
+        if prompt is None or completion is None:
+            return
+        usage["input_tokens"] = max(0, prompt - self.released.in_prompt)
+        usage["output_tokens"] = completion + self.released.generated
+        usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
+
+
 class Responses(ApiAdapter):
     name: ClassVar[str] = "responses"
     path: ClassVar[str] = "/v1/responses"
@@ -213,3 +310,41 @@ class Responses(ApiAdapter):
 
     def event_reader(self, inspector: StreamInspector) -> EventReader:
         return ResponsesEventReader(inspector)
+
+    def can_continue(self, body: Mapping[str, Any]) -> bool:
+        """Only an answer vLLM does not store (``store: false``): a stored answer is
+        kept under the id the client has, which would then name the degenerate
+        original, not the continued answer. No structured output, no forced tool."""
+        text_options = body.get("text")
+        answer_format = text_options.get("format") if isinstance(text_options, dict) else None
+        tool_choice = body.get("tool_choice")
+        return (
+            body.get("store") is False
+            and body.get("background") is not True
+            and (answer_format is None or (isinstance(answer_format, dict)
+                                           and answer_format.get("type") == "text"))
+            and not (tool_choice == "required" or isinstance(tool_choice, dict))
+        )  # fmt: skip
+
+    def continuation(
+        self, body: Mapping[str, Any], released: str, released_tokens: int
+    ) -> dict[str, Any] | None:
+        """The input with the released text as a last assistant message whose status
+        is ``in_progress``: vLLM continues it (``should_continue_final_message``)."""
+        given = body.get("input")
+        if not self.can_continue(body):
+            return None
+        if isinstance(given, str):
+            given = [{"role": "user", "content": given}]
+        if not isinstance(given, list):
+            return None
+        part = {"type": "output_text", "text": released, "annotations": []}
+        partial = {"type": "message", "role": "assistant", "status": "in_progress",
+                   "content": [part]}  # fmt: skip
+        return {
+            "input": [*given, partial],
+            **remaining_tokens(body, released_tokens, ("max_output_tokens",), None),
+        }
+
+    def splice(self, released: ReleasedPart) -> EventSplice | None:
+        return ResponsesSplice.of(released)

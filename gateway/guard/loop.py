@@ -22,7 +22,7 @@ import orjson
 from multidict import CIMultiDict
 
 from gateway.apis import ApiAdapter
-from gateway.apis.base import EventSplice
+from gateway.apis.base import EventSplice, ReleasedPart
 from gateway.config import (
     AfterRelease,
     ExhaustedPolicy,
@@ -824,7 +824,13 @@ class Guard:
         # prompt holds the released text too, as many tokens as vLLM makes of it.
         in_prompt = await backend.count_tokens(request.model, released, headers)
         splice = request.api.splice(
-            tail.first_bytes, generated if in_prompt is None else in_prompt, generated
+            ReleasedPart(
+                tail.first_bytes,
+                tail.latest_bytes,
+                released,
+                generated,
+                generated if in_prompt is None else in_prompt,
+            )
         )
         if splice is None:
             raise UpstreamProtocolError("the released stream's opening event is not JSON")

@@ -48,8 +48,10 @@ class TailHold:
     #: (tokens, without speculative decoding) carried it.
     released_parts: list[str] = field(default_factory=list)
     released_events: int = 0
-    #: The first bytes the client was sent: the stream's opening event (its id).
+    #: The first bytes the client was sent (the stream's opening events: its id),
+    #: and the latest (a Responses stream's sequence number).
     first_bytes: bytes = b""
+    latest_bytes: bytes = b""
     _held: list[_HeldBatch] = field(default_factory=list)
     _held_text: str = ""
     _held_bytes: int = 0
@@ -79,6 +81,7 @@ class TailHold:
         """Bytes released by the hold-back before this tail took over."""
         if not self.first_bytes:
             self.first_bytes = data
+        self.latest_bytes = data
         self._take_text()
         self.released_parts.append(self._held_text)
         self.released_events = self._events()
@@ -149,6 +152,8 @@ class TailHold:
         self.released_events = last.events_end
         out = [data for batch in batches for data in batch.data]
         self._held_bytes -= sum(map(len, out))
-        if not self.first_bytes and out:
-            self.first_bytes = out[0]
+        if out:
+            if not self.first_bytes:
+                self.first_bytes = out[0]
+            self.latest_bytes = out[-1]
         return out

@@ -63,12 +63,25 @@ def _stream_completions(client: openai.OpenAI, **common: Any) -> tuple[str, list
     return "".join(c.choices[0].text for c in chunks if c.choices), chunks
 
 
-@pytest.mark.parametrize("api", ["chat", "completions"])
+def _stream_responses(client: openai.OpenAI, **common: Any) -> tuple[str, list[Any]]:
+    """Responses with ``store: false``: the answers vLLM does not store, which the
+    gateway continues (a stored answer would keep the degenerate original's id)."""
+    events = list(
+        client.responses.create(  # type: ignore[call-overload]
+            input=PROMPT, stream=True, store=False,
+            max_output_tokens=common.pop("max_tokens"), **common,
+        )
+    )  # fmt: skip
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta"), events
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "responses"])
 def test_a_stream_corrupted_after_release_reaches_the_client_as_one_answer(
     vllm: RunningVLLM, gateway_for: GatewayFactory, api: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     gateway = gateway_for(vllm.url, guard={"stream": STREAM})
-    stream = _stream_chat if api == "chat" else _stream_completions
+    stream = {"chat": _stream_chat, "completions": _stream_completions,
+              "responses": _stream_responses}[api]  # fmt: skip
     tag = f"{api}-{uuid.uuid4().hex[:8]}"  # this run's requests in the log
     common = {"model": vllm.model, "max_tokens": MAX_TOKENS, "temperature": 0}
     healthy, direct = stream(openai_client(vllm.url), **common, extra_body={"ignore_eos": True})
@@ -83,14 +96,17 @@ def test_a_stream_corrupted_after_release_reaches_the_client_as_one_answer(
 
     # One coherent answer: no '!' run, one id, one finish reason, usage of one answer.
     assert "!!!" not in text
-    assert len({c.id for c in chunks}) == 1
-    assert len({c.created for c in chunks}) == 1
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
-    assert [f for f in finishes if f] == ["length"]
-    usage = chunks[-1].usage
-    assert usage is not None
-    assert usage.prompt_tokens == direct[-1].usage.prompt_tokens
-    assert usage.completion_tokens == MAX_TOKENS  # released + continued: max_tokens honoured
+    if api == "responses":
+        _assert_one_response(text, chunks, direct)
+    else:
+        assert len({c.id for c in chunks}) == 1
+        assert len({c.created for c in chunks}) == 1
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert [f for f in finishes if f] == ["length"]
+        usage = chunks[-1].usage
+        assert usage is not None
+        assert usage.prompt_tokens == direct[-1].usage.prompt_tokens
+        assert usage.completion_tokens == MAX_TOKENS  # released + continued: max_tokens held
     if api == "chat":
         roles = [c.choices[0].delta.role for c in chunks if c.choices]
         assert [r for r in roles if r] == ["assistant"]
@@ -119,3 +135,25 @@ def test_a_stream_corrupted_after_release_reaches_the_client_as_one_answer(
     assert (outcome["outcome"], outcome["attempts"], outcome["continuations"]) == (
         "recovered", 2, 1,
     )  # fmt: skip
+
+
+def _assert_one_response(text: str, events: list[Any], direct: list[Any]) -> None:
+    """One Responses stream: sequence numbers 0, 1, 2, ...; one response id and one
+    message id throughout; one ``response.completed`` whose output is the whole text;
+    usage of one answer."""
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types = [e.type for e in events]
+    assert types.count("response.created") == 1
+    assert types.count("response.output_item.added") == 1
+    assert types[-1] == "response.completed"
+    assert types.count("response.completed") == 1
+    completed, created = events[-1].response, events[0].response
+    assert completed.id == created.id
+    item_ids = {e.item_id for e in events if hasattr(e, "item_id")}
+    assert item_ids == {completed.output[0].id}
+    assert completed.output[0].content[0].text == text
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert done.text == text
+    assert completed.usage.input_tokens == direct[-1].response.usage.input_tokens
+    assert completed.usage.output_tokens == MAX_TOKENS
+    assert completed.incomplete_details.reason == "max_output_tokens"

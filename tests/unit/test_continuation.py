@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from gateway.apis import BY_NAME
+from gateway.apis.base import ReleasedPart, event_bytes
 from gateway.apis.openai_chunks import ChunkSplice
 from gateway.config import DetectorSettings
 from gateway.detect import Detector, StreamInspector
@@ -217,7 +218,7 @@ def continuation_event(**fields: Any) -> bytes:
 
 
 def test_the_splice_gives_the_continuation_the_answers_identity() -> None:
-    splice = ChunkSplice.of(OPENING, prompt_less=6, completion_more=5)
+    splice = ChunkSplice.of(ReleasedPart(OPENING, OPENING, "Hi", generated=5, in_prompt=6))
     assert splice is not None
     role = continuation_event(
         choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -388,3 +389,79 @@ def test_by_default_a_stream_is_released_at_its_first_token_where_it_can_be_cont
             assert content_of(body).endswith("close it.")
 
     asyncio.run(scenario())
+
+
+# -- Responses ------------------------------------------------------------------------
+
+RESPONSES = BY_NAME["responses"]
+
+
+def responses_event(kind: str, **fields: Any) -> bytes:
+    return event_bytes(kind, {"type": kind, **fields})
+
+
+RESPONSES_OPENING = b"".join([
+    responses_event("response.created", sequence_number=0,
+                    response={"id": "resp_orig", "created_at": 111, "output": []}),
+    responses_event("response.output_item.added", sequence_number=1, output_index=0,
+                    item={"id": "msg_orig", "type": "message", "content": []}),
+    responses_event("response.output_text.delta", sequence_number=2, item_id="msg_orig",
+                    delta="Hi"),
+])  # fmt: skip
+
+
+def test_the_responses_splice_continues_the_clients_response() -> None:
+    latest = responses_event("response.output_text.delta", sequence_number=5, delta=" there")
+    released = ReleasedPart(RESPONSES_OPENING, latest, "Hi there", generated=4, in_prompt=3)
+    splice = RESPONSES.splice(released)
+    assert splice is not None
+
+    def rewritten(kind: str, **fields: Any) -> dict[str, Any] | None:
+        out = splice.event(responses_event(kind, sequence_number=0, **fields))
+        return None if out is None else orjson.loads(out.split(b"data: ", 1)[1])
+
+    assert rewritten("response.created", response={"id": "resp_new"}) is None
+    assert rewritten("response.in_progress", response={"id": "resp_new"}) is None
+    assert rewritten("response.output_item.added", item={"id": "msg_new"}) is None
+    assert rewritten("response.content_part.added", item_id="msg_new") is None
+    delta = rewritten("response.output_text.delta", item_id="msg_new", delta=" 日本")
+    assert delta == {"type": "response.output_text.delta", "sequence_number": 6,
+                     "item_id": "msg_orig", "delta": " 日本"}  # fmt: skip
+    done = rewritten("response.output_text.done", item_id="msg_new", text=" 日本")
+    assert done is not None
+    assert (done["text"], done["sequence_number"]) == ("Hi there 日本", 7)
+    part = rewritten("response.content_part.done", item_id="msg_new",
+                     part={"type": "output_text", "text": " 日本"})  # fmt: skip
+    assert part is not None
+    assert part["part"]["text"] == "Hi there 日本"
+    message = {"id": "msg_new", "type": "message",
+               "content": [{"type": "output_text", "text": " 日本"}]}  # fmt: skip
+    completed = rewritten("response.completed", response={
+        "id": "resp_new", "created_at": 222, "output": [message],
+        "usage": {"input_tokens": 20, "output_tokens": 10, "total_tokens": 30},
+    })  # fmt: skip
+    assert completed is not None
+    response = completed["response"]
+    assert (response["id"], response["created_at"]) == ("resp_orig", 111)
+    assert response["output"][0]["id"] == "msg_orig"
+    assert response["output"][0]["content"][0]["text"] == "Hi there 日本"
+    assert response["usage"] == {"input_tokens": 17, "output_tokens": 14, "total_tokens": 31}
+    assert completed["sequence_number"] == 9
+
+
+def test_a_responses_answer_is_continued_only_when_vllm_does_not_store_it() -> None:
+    body = {"input": "go", "store": False, "max_output_tokens": 30}
+    fields = RESPONSES.continuation(body, "Partial\n", 4)
+    assert fields == {
+        "input": [
+            {"role": "user", "content": "go"},
+            {"type": "message", "role": "assistant", "status": "in_progress",
+             "content": [{"type": "output_text", "text": "Partial\n", "annotations": []}]},
+        ],
+        "max_output_tokens": 26,
+    }  # fmt: skip
+    assert RESPONSES.can_continue(body)
+    assert not RESPONSES.can_continue({"input": "go"})  # vLLM's default: stored
+    for refused in ({"store": True}, {"text": {"format": {"type": "json_schema"}}},
+                    {"tool_choice": "required"}, {"background": True}):  # fmt: skip
+        assert not RESPONSES.can_continue({**body, **refused})
