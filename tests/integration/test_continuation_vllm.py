@@ -157,3 +157,37 @@ def _assert_one_response(text: str, events: list[Any], direct: list[Any]) -> Non
     assert completed.usage.input_tokens == direct[-1].response.usage.input_tokens
     assert completed.usage.output_tokens == MAX_TOKENS
     assert completed.incomplete_details.reason == "max_output_tokens"
+
+
+@pytest.mark.parametrize("released", ["The settings", "The settings \n\n", " 日本語 café"])
+def test_the_template_path_asks_vllm_for_what_the_token_exact_path_does(
+    vllm: RunningVLLM, released: str
+) -> None:
+    """The evidence for continuing chat and Responses by their documented fields: on
+    this vLLM, a continued assistant message (chat: ``continue_final_message`` with
+    ``add_generation_prompt: false``; Responses: an ``in_progress`` message item)
+    reaches the engine as exactly the token-exact path's prompt, the rendered prompt
+    followed by the released text's own tokens (``kv_transfer_params.prompt_token_ids``),
+    trailing whitespace and multi-byte characters included."""
+    messages = [{"role": "user", "content": PROMPT}]
+    tag = f"paths-{uuid.uuid4().hex[:8]}"
+    body = {"model": vllm.model, "max_tokens": 1, "cache_salt": tag,
+            "vllm_xargs": {"vg_log_prompt": tag}}  # fmt: skip
+    rendered = _tokenize(vllm, messages=messages, add_generation_prompt=True)
+    exact = rendered + _tokenize(vllm, prompt=released, add_special_tokens=False)
+    continued = [*messages, {"role": "assistant", "content": released}]
+    requests = [
+        ("/v1/chat/completions", {"messages": continued, "continue_final_message": True,
+                                  "add_generation_prompt": False}),
+        ("/v1/chat/completions", {"messages": messages,
+                                  "kv_transfer_params": {"prompt_token_ids": exact}}),
+        ("/v1/responses", {"input": [*messages, {
+            "type": "message", "role": "assistant", "status": "in_progress",
+            "content": [{"type": "output_text", "text": released, "annotations": []}]}],
+            "store": False, "max_output_tokens": 1}),
+    ]  # fmt: skip
+    for path, fields in requests:
+        reply = httpx.post(vllm.url + path, json={**body, **fields}, timeout=60)
+        assert reply.status_code == 200, reply.text
+    prompts = [ids for _, ids in _prompts_logged(vllm, tag)]
+    assert prompts == [exact, exact, exact]

@@ -465,3 +465,21 @@ def test_a_responses_answer_is_continued_only_when_vllm_does_not_store_it() -> N
     for refused in ({"store": True}, {"text": {"format": {"type": "json_schema"}}},
                     {"tool_choice": "required"}, {"background": True}):  # fmt: skip
         assert not RESPONSES.can_continue({**body, **refused})
+
+
+def test_a_continuation_split_inside_a_character_reaches_the_client_whole() -> None:
+    """The continuation's bytes arrive cut inside a UTF-8 character and inside an
+    event: the client still gets exactly the released text followed by the
+    continuation's text, byte for byte."""
+
+    async def scenario() -> None:
+        continuation = b"".join(stream_of(" 日本語", " end."))
+        cut = continuation.index(" 日本語".encode()) + 2  # inside "日"
+        pieces = [continuation[:cut], continuation[cut:]]
+        script = Script([paced(stream_of("Open", " café", *BANG_RUN)), paced(pieces)])
+        async with guard_with(script, stream=FIRST_TOKEN) as guard:
+            body = await relayed(await handle(guard, stream=True))
+            assert content_of(body) == "Open café 日本語 end."
+            assert assistant_text(script.received[1]) == "Open café"
+
+    asyncio.run(scenario())
