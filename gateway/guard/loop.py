@@ -708,7 +708,7 @@ class Guard:
                         kind = inspector.partial_verdict().kind
                 if kind is not None:
                     self._count_late(segment, trace, kind)
-                    if tail is not None and tail.continuable and tail.holding:
+                    if tail is not None and tail.holds(kind):
                         if forward:  # the settled text goes out first: the client has it
                             await send(b"".join(forward))
                             forward = []

@@ -20,8 +20,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gateway.detect import StreamInspector
+from gateway.detect import DegenerateKind, StreamInspector
 from gateway.detect.text import unsettled_start
+
+#: The signatures a held end can hold whole: a run of one punctuation character,
+#: tokenizer artifacts. A loop or a letter run is longer than any held end: once
+#: recognised, most of it has been sent, and a continuation would go on from it.
+CONTINUED_KINDS = frozenset({DegenerateKind.PUNCT_RUN, DegenerateKind.SPECIAL_TOKENS})
 
 #: Most bytes kept back at once: a flood of whitespace settles nothing, yet is not
 #: the bug's signature; past this the held part is released.
@@ -68,6 +73,11 @@ class TailHold:
     def holding(self) -> bool:
         """Some text is held back (a degenerate end may be dropped)."""
         return bool(self._held_text)
+
+    def holds(self, kind: DegenerateKind) -> bool:
+        """The degenerate end of this kind is held, not sent: it can be dropped and
+        the answer continued."""
+        return self.continuable and self.holding and kind in CONTINUED_KINDS
 
     def follow(self, inspector: StreamInspector, events_before: int) -> None:
         """A continuation's inspector, fed the released text already (``events_before``

@@ -483,3 +483,19 @@ def test_a_continuation_split_inside_a_character_reaches_the_client_whole() -> N
             assert assistant_text(script.received[1]) == "Open café"
 
     asyncio.run(scenario())
+
+
+def test_a_loop_recognised_at_the_end_is_not_continued() -> None:
+    """A loop is longer than any held end: most of it was sent, so continuing from
+    it would go on with it. Relayed and counted, as before."""
+
+    async def scenario() -> None:
+        loop = ["the cat sat on the mat. "] * 20
+        script = Script([paced(stream_of("Story:", *loop, "\n"))])
+        async with guard_with(script, stream=FIRST_TOKEN) as guard:
+            body = await relayed(await handle(guard, stream=True))
+            assert content_of(body).startswith("Story:the cat")
+            assert len(script.received) == 1
+            assert metric(guard, "vllm_guard_degenerate_delivered_total", kind="token_loop") == 1
+
+    asyncio.run(scenario())
