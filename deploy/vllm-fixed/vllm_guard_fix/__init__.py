@@ -1,7 +1,7 @@
 """vLLM plugin: Mamba prefix-cache hits honour the speculative-decoding drop.
 
-The defect, in every vLLM from 0.28 to 0.34 (table and evidence: the
-project's docs/fixed-backend.md): ``MambaManager.find_longest_cache_hit`` accepts
+The defect, in vLLM 0.26 and every vLLM from 0.28 to 0.34 (table and evidence:
+the project's docs/fixed-backend.md): ``MambaManager.find_longest_cache_hit`` accepts
 ``drop_eagle_block`` and never acts on it, and the hybrid coordinator gives Mamba
 groups no look-ahead margin ("its finder never drops"). A Mamba hit therefore
 lands on the last state below the full-attention candidate, the block a
@@ -27,7 +27,7 @@ the drop, as they did on 0.28. Managers' own ``use_eagle`` (what gets cached) is
 not touched.
 
 The plugin patches only code whose source it was proven on (``known.py``: the
-exact functions of vLLM 0.28-0.34, each checked on vLLM's real coordinator by
+exact functions of vLLM 0.26 and 0.28-0.34, each checked on vLLM's real coordinator by
 ``tests/support/fix_proof.py``). Anything else is refused: an ERROR line, and
 with ``VLLM_GUARD_FIX_REQUIRE=1`` (the fixed image's default) vLLM does not
 start. Evidence at run time: one log line per process, a periodic count of the
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_guard_fix import evidence
-from vllm_guard_fix.known import KNOWN_COORDINATORS, STOCK_FINDER, fingerprint
+from vllm_guard_fix.known import KNOWN_COORDINATORS, STOCK_FINDERS, fingerprint
 
 __all__ = ["Decision", "apply", "decide", "register"]
 
@@ -88,11 +88,11 @@ def decide(mamba_manager: Any, coordinator: Any) -> Decision:
         )
     except (OSError, TypeError) as exc:
         return Decision("refused", f"cannot read vLLM's source ({exc})")
-    if finder_print != STOCK_FINDER:
+    if finder_print not in STOCK_FINDERS:
         return Decision(
             "refused",
             "MambaManager.find_longest_cache_hit is not the code this plugin was proven "
-            "on (vLLM 0.28-0.34); if this vLLM carries an upstream fix, run it stock "
+            "on (vLLM 0.26, 0.28-0.34); if this vLLM carries an upstream fix, run it stock "
             "with VLLM_GUARD_FIX_DISABLE=1",
         )
     known = KNOWN_COORDINATORS.get(coordinator_print)
@@ -100,7 +100,7 @@ def decide(mamba_manager: Any, coordinator: Any) -> Decision:
         return Decision(
             "refused",
             "HybridKVCacheCoordinator is not the code of any vLLM this plugin was "
-            "proven on (0.28-0.34), so it cannot tell whether Mamba lookups are asked "
+            "proven on (0.26, 0.28-0.34), so it cannot tell whether Mamba lookups are asked "
             "to drop",
         )
     return Decision("active", "MambaManager ignores drop_eagle_block", coordinator=known)

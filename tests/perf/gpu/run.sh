@@ -1,0 +1,139 @@
+#!/bin/bash
+# The fixed backend and the gateway on a real GPU (issue 35), on any CUDA machine:
+#
+#   bash tests/perf/gpu/run.sh plugin  [OUT]   # 1. the plugin in its target configuration
+#   bash tests/perf/gpu/run.sh gateway [OUT]   # 2. the gateway at GPU speed
+#
+# Both serve a tiny Qwen3-Next-shaped model (three Gated-DeltaNet layers, one attention
+# layer, MoE, one MTP layer; random weights, mk_tiny.py + tinyinit.py) with prefix
+# caching and MTP speculative decoding.
+#
+# 1. Two servers one after the other, stock (VLLM_GUARD_FIX_DISABLE=1) and fixed
+#    (VLLM_GUARD_FIX_REQUIRE=1: vLLM refuses to start unless the plugin is active),
+#    each under difftest.py's multi-turn workload (greedy answers of prefix-cache hits
+#    vs fresh-salt misses, token ids): divergence, prefix-cache hit rate, and the
+#    plugin's counters from vLLM's /metrics.
+# 2. One stock server on cores 0-7; vLLM's own `bench serve` (prefix_repetition:
+#    4 x 512-token prefixes, 32-token answers, ignore_eos) direct and through a gateway
+#    per release policy (auto, the default; adaptive), each gateway on cores of its own,
+#    at c=8 and c=64: TTFT, ITL, throughput.
+#
+# Where vLLM is not installed (the lent H200), the bundle built by build.sh is used: carry
+# .gpu/ with the checkout. Figures: BENCHMARKS.md, "On a GPU".
+set -u
+MODE=${1:?usage: run.sh plugin|gateway [OUT]}; OUT=${2:-${OUT:-/tmp/gpu-out}}; mkdir -p "$OUT"
+H=$(cd "$(dirname "$0")" && pwd); ROOT=$(cd "$H/../../.." && pwd); T0=$(date +%s)
+BUNDLE=${BUNDLE:-$ROOT/.gpu}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
+export VLLM_USE_FLASHINFER_SAMPLER=0 TINY_INIT=1 TINY_ALPHA=${TINY_ALPHA:-4.0}
+say() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
+
+# -- vLLM, the plugin, the gateway's dependencies -------------------------------------------
+SITE=""
+if ! python3 -c "import vllm" 2>/dev/null; then
+  [ -d /tmp/site/vllm ] || python3 -c "import tarfile;tarfile.open('$BUNDLE/bundle_site.tar.xz').extractall('/tmp/site')" || exit 3
+  # The bundle has no FlashAttention: let vllm_flash_attn import (the model runs on TRITON_ATTN).
+  python3 - /tmp/site/vllm/vllm_flash_attn/__init__.py <<'PY'
+import sys
+p = sys.argv[1]; s = open(p).read()
+open(p, "w").write(s.replace("if not (FA2_AVAILABLE or FA3_AVAILABLE):\n    raise ImportError(", "if False:\n    raise ImportError("))
+PY
+  SITE=/tmp/site
+fi
+# The plugin, registered as vLLM finds plugins (an entry point), without installing it.
+mkdir -p /tmp/plugin-meta/vllm_guard_fix-0.1.0.dist-info
+printf 'Metadata-Version: 2.1\nName: vllm-guard-fix\nVersion: 0.1.0\n' > /tmp/plugin-meta/vllm_guard_fix-0.1.0.dist-info/METADATA
+printf '[vllm.general_plugins]\nvllm_guard_fix = vllm_guard_fix:register\n' > /tmp/plugin-meta/vllm_guard_fix-0.1.0.dist-info/entry_points.txt
+VLLM_PATH=$SITE:$H/recipe:$ROOT/deploy/vllm-fixed:/tmp/plugin-meta
+if ! python3 -c "import pydantic_settings, orjson, redis" 2>/dev/null; then
+  mkdir -p /tmp/gwsite
+  python3 - "$BUNDLE/wheels" /tmp/gwsite <<'PY'
+import pathlib, sys, zipfile
+for wheel in pathlib.Path(sys.argv[1]).glob("*.whl"):  # a wheel is a zip of its site files
+    zipfile.ZipFile(wheel).extractall(sys.argv[2])
+PY
+fi
+GATEWAY_PATH=$SITE:/tmp/gwsite:$ROOT
+python3 "$H/recipe/mk_tiny.py" /tmp/tiny >/dev/null || exit 5
+CORES=$(nproc); VLLM_CORES=0-$(( CORES / 2 - 1 ))
+
+SPID=""
+start_vllm() { # tag, env assignments..., then -- and extra flags
+  local tag=$1; shift; local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+  env "${envs[@]}" PYTHONPATH=$VLLM_PATH setsid taskset -c $VLLM_CORES python3 -m vllm.entrypoints.cli.main \
+    serve /tmp/tiny --served-model-name tiny --load-format dummy --dtype bfloat16 --max-model-len 4096 \
+    --max-num-seqs 128 --gpu-memory-utilization 0.30 --gdn-prefill-backend triton \
+    --attention-backend TRITON_ATTN --enable-prompt-tokens-details --disable-uvicorn-access-log \
+    --port 8000 --enable-prefix-caching \
+    --speculative-config '{"method":"mtp","num_speculative_tokens":2,"attention_backend":"TRITON_ATTN"}' \
+    "$@" > "$OUT/vllm_$tag.log" 2>&1 & SPID=$!
+  for _ in $(seq 1 150); do
+    curl -sf -o /dev/null http://127.0.0.1:8000/health && { say "vLLM $tag up"; return 0; }
+    kill -0 $SPID 2>/dev/null || break; sleep 2
+  done
+  say "vLLM $tag FAILED to start"; grep -v "^INFO\|^(EngineCore" "$OUT/vllm_$tag.log" | tail -30; return 1
+}
+stop_vllm() { kill -TERM -- -$SPID 2>/dev/null; sleep 3; kill -KILL -- -$SPID 2>/dev/null; sleep 2; }
+trap 'stop_vllm; kill $(jobs -p) 2>/dev/null' EXIT
+
+if [ "$MODE" = plugin ]; then
+  for arm in stock fixed; do
+    if [ $arm = stock ]; then fix=VLLM_GUARD_FIX_DISABLE=1; else fix=VLLM_GUARD_FIX_REQUIRE=1; fi
+    start_vllm $arm $fix -- --enforce-eager || continue
+    grep -h "vllm-guard-fix" "$OUT/vllm_$arm.log" | head -3
+    timeout 200 python3 "$H/recipe/difftest.py" --tag $arm --convs ${CONVS:-48} --turns ${TURNS:-3} \
+      --out "$OUT/difftest_$arm.json" > /dev/null
+    curl -s http://127.0.0.1:8000/metrics | grep -E "^vllm_guard_fix|^vllm:prefix_cache_(hits|queries)_total|^vllm:spec_decode_num_(accepted|draft)_tokens_total" > "$OUT/metrics_$arm.txt"
+    say "$arm done"; stop_vllm
+  done
+  python3 "$H/report.py" plugin "$OUT"
+  exit 0
+fi
+
+# -- 2. the gateway at GPU speed ------------------------------------------------------------
+start_vllm gateway-bench VLLM_GUARD_FIX_DISABLE=1 -- || exit 6
+port=9000; GATEWAYS=()
+for policy in ${POLICIES:-off auto adaptive}; do  # off: the guard off, the relay alone
+  first=$(( CORES / 2 + (${#GATEWAYS[@]}) * 2 ))
+  if [ $policy = off ]; then guard="{mode: \"off\"}"; else guard="{stream: {release: $policy}}"; fi
+  printf 'upstream:\n  backends: [{name: vllm, url: "http://127.0.0.1:8000"}]\nguard: %s\n' \
+    "$guard" > "$OUT/gateway_$policy.yaml"
+  PYTHONPATH=$GATEWAY_PATH taskset -c $first-$(( first + 1 )) python3 -m gateway.cli serve \
+    --config "$OUT/gateway_$policy.yaml" --host 127.0.0.1 --port $port > "$OUT/gateway_$policy.log" 2>&1 &
+  GATEWAYS+=("$policy=http://127.0.0.1:$port"); port=$((port + 1))
+done
+for g in "${GATEWAYS[@]}"; do
+  for _ in $(seq 1 60); do curl -sf -o /dev/null "${g#*=}/readyz" && break; sleep 1; done
+done
+say "gateways up: ${GATEWAYS[*]}"
+BENCH_CORES=$(( CORES / 2 + 6 ))-$(( CORES - 1 ))
+bench() { # name url concurrency prompts
+  PYTHONPATH=$SITE taskset -c $BENCH_CORES python3 -m vllm.entrypoints.cli.main bench serve \
+    --backend openai-chat --endpoint /v1/chat/completions --base-url "$2" \
+    --model tiny --tokenizer /tmp/tiny --dataset-name prefix_repetition \
+    --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 32 \
+    --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 32 --ignore-eos \
+    --num-prompts $4 --max-concurrency $3 --temperature 0 --seed 1 \
+    --percentile-metrics ttft,itl,e2el --metric-percentiles 50,99 --disable-tqdm \
+    --save-result --result-dir "$OUT" --result-filename "serve_c$3_$1.json" \
+    > "$OUT/serve_c$3_$1.log" 2>&1 || { say "bench $1 c=$3 failed"; tail -5 "$OUT/serve_c$3_$1.log"; }
+}
+# What the random-weight model writes (the guard judges it as it would a real answer).
+curl -s http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
+  -d '{"model":"tiny","prompt":"Open the settings page and","max_tokens":32,"temperature":0}' \
+  > "$OUT/sample.json"
+for conc in 8 64; do
+  prompts=$(( conc * ${ROUNDS_PER_CLIENT:-8} ))
+  # The prefixes cached and the kernels warm (CUDA graphs per batch size) for every route.
+  bench warmup http://127.0.0.1:8000 $conc $prompts
+  for route in "direct=http://127.0.0.1:8000" "${GATEWAYS[@]}"; do
+    name=${route%%=*}
+    bench "$name" "${route#*=}" $conc $prompts
+    say "c=$conc $name done"
+  done
+done
+for g in "${GATEWAYS[@]}"; do  # what each gateway judged: verdicts, continuations
+  curl -s "${g#*=}/metrics" | grep -E "^vllm_guard_(requests|continuations|retries)_total" \
+    > "$OUT/gateway_metrics_${g%%=*}.txt"
+done
+python3 "$H/report.py" gateway "$OUT"
