@@ -77,7 +77,7 @@ bench: setup vllm ## gateway vs. direct: latency, poisoned workload, detector co
 bench-apis: setup vllm ## every guarded API: corrupt delivered direct vs gateway, first byte per release policy
 	$(BIN)/python tests/perf/bench_apis.py
 
-bench-release: setup vllm ## release policies (adaptive vs first_token): corpus recall, vLLM bench serve direct vs gateway
+bench-release: setup vllm ## release policies (auto vs adaptive): corpus recall, vLLM bench serve direct vs gateway, unpoisoned, poisoned and poisoned mid-stream
 	$(BIN)/python tests/perf/bench_release.py
 
 LITELLM_VENV ?= $(HOME)/.cache/vllm-guard/litellm-venv

@@ -152,10 +152,9 @@ def bench_serve(url: str, prompts: int, xargs: dict[str, Any], seed: int) -> dic
     return result
 
 
-def serve_section(url: str, quick: bool, poison_rate: float) -> list[str]:
+def serve_section(url: str, prompts: int, rounds: int, poison_rate: float) -> list[str]:
     """Every route runs the same prompts (one seed per round), in a rotated order each
     round so that none always meets a warmer prefix cache; medians over rounds."""
-    prompts, rounds = (32, 1) if quick else (96, 3)
     gateways = {
         policy: GatewayProcess(
             url,
@@ -234,13 +233,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--vllm", default="", help="use this vLLM instead of starting one")
     parser.add_argument(
-        "--poison-rate", type=float, default=0.3, help="share of cached blocks that poison a hit"
+        "--poison-rate", type=float, default=0.5, help="share of cached blocks that poison a hit"
     )
+    parser.add_argument("--prompts", type=int, default=0, help="per run (default 96; quick 32)")
+    parser.add_argument("--rounds", type=int, default=0, help="default 3; quick 1")
     args = parser.parse_args()
+    prompts = args.prompts or (32 if args.quick else 96)
+    rounds = args.rounds or (1 if args.quick else 3)
     print("\n".join(recall_section(3 if args.quick else 10)), flush=True)
     ensure_model(MODEL_DIR)  # bench serve reads its tokenizer
     section = against_vllm(
-        args.vllm, "release", lambda url: serve_section(url, args.quick, args.poison_rate)
+        args.vllm, "release", lambda url: serve_section(url, prompts, rounds, args.poison_rate)
     )
     print("\n" + "\n".join(section))
 
