@@ -103,7 +103,19 @@ class TailHold:
             return forward
         if not self._take_text():
             return self.release_all(forward)
-        self._held.append(_HeldBatch(forward, len(self._held_text), self._events()))
+        text = self._held_text
+        if not self._held and unsettled_start(text, self.candidates) == len(text):
+            # Nothing held and this batch ends settled (nearly every token): sent as is.
+            if text:
+                self.released_parts.append(text)
+                self._held_text = ""
+            self.released_events = self._events()
+            if not self.first_bytes:
+                self.first_bytes = forward[0] if forward else b""
+            if forward:
+                self.latest_bytes = forward[-1]
+            return forward
+        self._held.append(_HeldBatch(forward, len(text), self._events()))
         self._held_bytes += sum(map(len, forward))
         if self._held_bytes > MAX_TAIL_BYTES:
             return self.release_all()
