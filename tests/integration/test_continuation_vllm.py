@@ -19,8 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
-from tests.conftest import GatewayFactory, RunningVLLM, openai_client, scraped_metric
+from conftest import GatewayFactory, RunningVLLM, openai_client, scraped_metric
 
 #: A fixed prompt: greedy decoding of the tiny model then gives the same answer on
 #: every run, so the test is deterministic (no probabilistic outcome to bound).

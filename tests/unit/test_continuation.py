@@ -13,15 +13,7 @@ from typing import Any
 
 import orjson
 import pytest
-
-from gateway.apis import BY_NAME
-from gateway.apis.base import ReleasedPart, event_bytes
-from gateway.apis.openai_chunks import ChunkSplice
-from gateway.config import DetectorSettings
-from gateway.detect import Detector, StreamInspector
-from gateway.detect.text import unsettled_start
-from gateway.guard.tail import MAX_TAIL_BYTES, TailHold
-from tests.unit.test_guard_loop import (
+from test_guard_loop import (
     CLEAN_TEXT,
     Script,
     answers_stream,
@@ -33,6 +25,14 @@ from tests.unit.test_guard_loop import (
     relayed,
     stream_of,
 )
+
+from gateway.apis import BY_NAME
+from gateway.apis.base import ReleasedPart, event_bytes
+from gateway.apis.openai_chunks import ChunkSplice
+from gateway.config import DetectorSettings
+from gateway.detect import Detector, StreamInspector
+from gateway.detect.text import unsettled_start
+from gateway.guard.tail import MAX_TAIL_BYTES, TailHold
 
 DETECTOR = Detector(DetectorSettings())
 CANDIDATES = DETECTOR.candidates
