@@ -43,7 +43,9 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-async def soak(url: str, requests: int, concurrency: int, pid: int) -> dict[str, object]:
+async def soak(
+    url: str, requests: int, concurrency: int, pid: int, poison_after: int = 0
+) -> dict[str, object]:
     rng = random.Random(7)
     systems = [" ".join(rng.choice(WORDS) for _ in range(300)) for _ in range(120)]
     answered: Counter[int] = Counter()
@@ -57,11 +59,18 @@ async def soak(url: str, requests: int, concurrency: int, pid: int) -> dict[str,
     async def one(session: aiohttp.ClientSession, i: int) -> None:
         nonlocal gateway_5xx, corrupt_delivered
         stream = i % 2 == 1
+        # --poison-after N: half the requests turn to "!" after N healthy tokens
+        # (the mid-generation model), on 32-token answers: streams the gateway has
+        # released by then must be continued, whole answers retried.
+        poison: dict[str, object] = {"vg_poison_rate": 0.05}
+        if poison_after and i % 4 < 2:  # half of them streamed
+            poison = {"vg_poison_after": poison_after}
         body = {
-            "model": MODEL_NAME, "max_tokens": 8, "temperature": 0, "stream": stream,
+            "model": MODEL_NAME, "max_tokens": 32 if poison_after else 8, "temperature": 0,
+            "stream": stream, "ignore_eos": bool(poison_after),
             "messages": [{"role": "system", "content": systems[i % len(systems)]},
                          {"role": "user", "content": f"step {i // len(systems)}"}],
-            "vllm_xargs": {"vg_poison_rate": 0.05},
+            "vllm_xargs": poison,
         }  # fmt: skip
         async with session.post(url + "/v1/chat/completions", json=body) as response:
             raw = await response.read()
@@ -112,6 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--poison-after", type=int, default=0, help="mid-stream poison (tokens)")
     args = parser.parse_args()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     server = None
@@ -125,18 +135,27 @@ def main() -> None:
         with GatewayProcess(vllm_url, "soak") as gateway:
             assert gateway.process is not None
             result = asyncio.run(
-                soak(gateway.url, args.requests, args.concurrency, gateway.process.pid)
+                soak(
+                    gateway.url,
+                    args.requests,
+                    args.concurrency,
+                    gateway.process.pid,
+                    args.poison_after,
+                )
             )
             delivered_metric = gateway.metric_sum("vllm_guard_degenerate_delivered_total")
             exhausted = gateway.metric_sum("vllm_guard_retries_refused_total")
             recovered = gateway.metric_sum("vllm_guard_requests_total", verdict="recovered")
+            continued = gateway.metric_sum("vllm_guard_continuations_total", outcome="clean")
+            cut = gateway.metric_sum("vllm_guard_stream_cut_total")
         print(f"requests:            {args.requests} at concurrency {args.concurrency}")
         print(f"duration:            {result['duration_s']:.1f} s")
         print(f"answered once:       {result['answered_once']}")
         print(f"answered 2+ times:   {result['answered_twice_or_more']}")
         print(f"statuses:            {result['statuses']}")
         print(f"verdicts:            {result['verdicts']}")
-        print(f"recovered (metrics): {recovered:.0f}")
+        print(f"recovered (metrics): {recovered:.0f}; continued after release {continued:.0f}, "
+              f"streams cut {cut:.0f}")  # fmt: skip
         print(f"corrupt delivered:   {result['corrupt_delivered']} "
               f"(metrics: {delivered_metric:.0f} delivered after the guard gave up; "
               f"budget exhausted {exhausted:.0f} times)")  # fmt: skip
