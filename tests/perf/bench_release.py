@@ -6,7 +6,11 @@ release is continued) vs the ``adaptive`` hold-back.
 1. Recall before release on the corpus (tests/data/), each output streamed in
    1-8 character pieces (seeded): what each policy has judged when it releases,
    and false positives on the legitimate corpus.
-2. vLLM's own ``bench serve`` (prefix_repetition: 4 prefixes of 512 tokens, 32-token
+2. Outputs that turn degenerate after a healthy start (the corpus's ``onset``
+   entries), streamed the same way through the hold-back and then the rolling
+   hold-back after release (``TailHold``): retried before release, continued
+   (the degenerate end was still held), delivered (seen once sent) or missed.
+3. vLLM's own ``bench serve`` (prefix_repetition: 4 prefixes of 512 tokens, 32-token
    answers, ``ignore_eos``, c=8, temperature 0), direct and through a gateway with
    each policy, in one run, against the tiny CPU vLLM unpoisoned, poisoned from the
    first token (``vg_poison_rate``: a poisoned prefix-cache block) and poisoned in
@@ -41,6 +45,7 @@ from support.workload import is_corrupt  # noqa: E402
 from gateway.config import DetectorSettings  # noqa: E402
 from gateway.detect import DegenerateKind, Detector, StreamInspector  # noqa: E402
 from gateway.guard.release import hold_decision  # noqa: E402
+from gateway.guard.tail import TailHold  # noqa: E402
 
 MIN_RELEASE, CEILING = 20, 1024
 POLICIES = ("adaptive", "first_token")
@@ -115,6 +120,64 @@ def recall_section(rounds: int) -> list[str]:
         + ", ".join(f"{p}: {false_positives[p]}" for p in POLICIES)
         + ".",
     ]
+    return lines
+
+
+def after_release_outcome(
+    detector: Detector, entry: dict[str, Any], rng: random.Random, adaptive: bool
+) -> str:
+    """What the guard does with an output that turns degenerate after a healthy start:
+    "before release" (retried whole), "continued" (the degenerate end was still held:
+    dropped and continued), "delivered" (seen after it was sent: counted) or "missed"."""
+    inspector = StreamInspector(detector)
+    inspector.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    tail: TailHold | None = None
+    chunks = pieces(entry["text"] or "", rng)
+    for number, piece in enumerate([*chunks, None]):
+        last = piece is None
+        inspector.feed(delta(entry, "", finish_of(entry)) if last else delta(entry, piece))
+        if tail is None:
+            decision = hold_decision(
+                inspector, MIN_RELEASE, 1, CEILING, first_token=not adaptive, content_only=True
+            )
+            if decision is not None and decision.kind is not None:
+                return "before release"
+            if decision is None and not last:
+                continue
+            if last:
+                kind = inspector.final_verdict().kind
+                return "missed" if kind is None else "before release"
+            tail = TailHold(detector.candidates, inspector)
+            tail.released(b"x" * (number + 1))
+            continue
+        tail.take([b"x"])
+        verdict = inspector.final_verdict() if last else inspector.partial_verdict()
+        if verdict.kind is not None:
+            return "continued" if tail.holds(verdict.kind) else "delivered"
+    return "missed"
+
+
+def after_release_section(rounds: int) -> list[str]:
+    detector = Detector(DetectorSettings())
+    late = [e for e in load("degenerate_outputs.jsonl") if "onset" in e]
+    rng = random.Random(12)
+    outcomes = ("before release", "continued", "delivered", "missed")
+    lines = [
+        f"## Outputs that turn degenerate after a healthy start ({rounds} chunkings each)",
+        "",
+        "| kind | outputs | policy | " + " | ".join(outcomes) + " |",
+        "|---|---|---|" + "---|" * len(outcomes),
+    ]
+    for kind in sorted({e["kind"] for e in late}):
+        entries = [e for e in late if e["kind"] == kind]
+        for policy in ("auto", "adaptive"):
+            seen = [
+                after_release_outcome(detector, e, rng, policy == "adaptive")
+                for e in entries
+                for _ in range(rounds)
+            ]
+            cells = " | ".join(f"{seen.count(o) / len(seen):.0%}" for o in outcomes)
+            lines.append(f"| {kind} | {len(entries)} | {policy} | {cells} |")
     return lines
 
 
@@ -241,6 +304,7 @@ def main() -> None:
     prompts = args.prompts or (32 if args.quick else 96)
     rounds = args.rounds or (1 if args.quick else 3)
     print("\n".join(recall_section(3 if args.quick else 10)), flush=True)
+    print("\n" + "\n".join(after_release_section(3 if args.quick else 10)), flush=True)
     ensure_model(MODEL_DIR)  # bench serve reads its tokenizer
     section = against_vllm(
         args.vllm, "release", lambda url: serve_section(url, prompts, rounds, args.poison_rate)
