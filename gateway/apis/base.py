@@ -85,6 +85,17 @@ class ReleasedPart:
     in_prompt: int
 
 
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    """A request's prompt as vLLM renders it: ``tokenize`` is a ``/tokenize`` body,
+    ``count_path`` an endpoint that counts the request's prompt tokens the API's own
+    way (its answer's ``input_tokens``), ``count_body`` what it is sent."""
+
+    tokenize: dict[str, Any]
+    count_path: str
+    count_body: dict[str, Any]
+
+
 class EventSplice(Protocol):
     """Rewrites a continuation's stream into the client's stream: its events carry
     the original answer's identity (id, created, ...), its opening events are not
@@ -161,11 +172,24 @@ class ApiAdapter(ABC):
         return False
 
     def continuation(
-        self, body: Mapping[str, Any], released: str, released_tokens: int
+        self,
+        body: Mapping[str, Any],
+        released: str,
+        released_tokens: int,
+        prompt_token_ids: list[int] | None = None,
     ) -> dict[str, Any] | None:
         """The request fields that ask the backend to continue this request's answer
         from ``released`` (the text the client has, ``released_tokens`` tokens of
-        it), or None where this API or this request cannot be continued."""
+        it), or None where this API or this request cannot be continued. An API
+        continued by token ids (``rendered_prompt``) gets the prompt's ids followed
+        by the released text's as ``prompt_token_ids``."""
+        return None
+
+    def rendered_prompt(self, body: Mapping[str, Any]) -> RenderedPrompt | None:
+        """For an API that is continued by token ids (vLLM's
+        ``kv_transfer_params.prompt_token_ids``): how to have vLLM render this
+        request's prompt (``/tokenize``) and check it against vLLM's own count for
+        the request; None where the API continues by its own fields."""
         return None
 
     def splice(self, released: ReleasedPart) -> EventSplice | None:

@@ -33,14 +33,19 @@ from gateway.apis.base import (
     ApiAdapter,
     EventReader,
     EventSignal,
+    EventSplice,
+    ReleasedPart,
+    RenderedPrompt,
     Usage,
     event_bytes,
     integer,
+    remaining_tokens,
     text,
 )
 from gateway.config import SaltReuseSettings
 from gateway.detect import ChoiceOutput, StreamInspector
 from gateway.errors import GatewayError
+from gateway.wire.sse import lf_event
 
 #: Anthropic's stop reasons in chat terms (the detectors read finish reasons).
 FINISH_REASONS = {
@@ -135,6 +140,108 @@ class MessagesEventReader(EventReader):
         return event_bytes("error", anthropic_error(error))
 
 
+#: Request fields whose rendering the gateway does not reproduce for ``/tokenize``
+#: (vLLM's Anthropic conversion turns them into template arguments or tools).
+_NOT_RENDERED = ("tools", "tool_choice", "thinking", "output_config", "mcp_servers")
+#: vLLM drops system blocks that start so (a per-request hash; serving.py).
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """A text-only Messages conversation as the OpenAI chat messages vLLM converts it
+    to (``AnthropicServingMessages.to_chat_completion_request``: the system text
+    first, one message per turn, a single text block as a string, several as text
+    parts); None for anything else (tools, images, thinking, inline system turns)."""
+    if any(body.get(name) is not None for name in _NOT_RENDERED):
+        return None
+    out: list[dict[str, Any]] = []
+    system = body.get("system")
+    if isinstance(system, str) and system:
+        out.append({"role": "system", "content": system})
+    elif isinstance(system, list):
+        texts = _block_texts(system)
+        if texts is None:
+            return None
+        joined = "".join(t for t in texts if not t.startswith(_BILLING_HEADER))
+        if joined:
+            out.append({"role": "system", "content": joined})
+    elif system is not None and system != "":
+        return None
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    for message in messages:
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("user", "assistant"):
+            return None
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        texts = _block_texts(content) if isinstance(content, list) else None
+        if texts is None:
+            return None
+        texts = [t for t in texts if t]
+        if len(texts) == 1:
+            out.append({"role": role, "content": texts[0]})
+        elif texts:
+            out.append({"role": role, "content": [{"type": "text", "text": t} for t in texts]})
+        elif role == "assistant":
+            return None  # vLLM keeps an empty assistant turn in a shape not reproduced here
+    return out
+
+
+def _block_texts(blocks: list[Any]) -> list[str] | None:
+    texts = []
+    for block in blocks:
+        if not isinstance(block, dict) or block.get("type") != "text":
+            return None
+        value = block.get("text")
+        if not isinstance(value, str):
+            return None
+        texts.append(value)
+    return texts
+
+
+@dataclass(slots=True)
+class MessagesSplice(EventSplice):
+    """A continuation's Messages events rewritten into the client's stream: its
+    ``message_start`` and the opening of its text block dropped (the client has both;
+    the block is still open there), usage of one answer in ``message_delta``."""
+
+    released: ReleasedPart
+
+    def event(self, raw: bytes) -> bytes | None:
+        data = lf_event(raw.rstrip(b"\r\n")).data
+        if data is None:
+            return raw
+        payload = orjson.loads(data)  # StreamState has parsed it once already
+        kind = payload.get("type")
+        if kind == "message_start":
+            return None
+        if kind == "content_block_start" and payload.get("index") == 0:
+            return None
+        if kind != "message_delta":
+            return raw
+        usage = payload.get("usage")
+        if isinstance(usage, dict):
+            self._one_answers_usage(usage)
+        return event_bytes("message_delta", payload)
+
+    def _one_answers_usage(self, usage: dict[str, Any]) -> None:
+        uncached, output = integer(usage.get("input_tokens")), integer(usage.get("output_tokens"))
+        if uncached is None or output is None:
+            return
+        # Anthropic's input_tokens leave out the cached ones: the released text is
+        # taken from the total, and what is left beyond the cache is reported.
+        cached = (integer(usage.get("cache_read_input_tokens")) or 0) + (
+            integer(usage.get("cache_creation_input_tokens")) or 0
+        )
+        total = uncached + cached - self.released.in_prompt
+        usage["input_tokens"] = max(0, total - cached)
+        usage["output_tokens"] = output + self.released.generated
+
+
 class Messages(ApiAdapter):
     name: ClassVar[str] = "messages"
     path: ClassVar[str] = "/v1/messages"
@@ -181,3 +288,45 @@ class Messages(ApiAdapter):
 
     def error_body(self, error: GatewayError) -> bytes:
         return orjson.dumps(anthropic_error(error))
+
+    def can_continue(self, body: Mapping[str, Any]) -> bool:
+        """A text-only conversation: vLLM's Messages API does not continue a trailing
+        assistant message, so the answer is continued by token ids, and the gateway
+        can have vLLM render only such a prompt (``chat_messages``)."""
+        return chat_messages(body) is not None
+
+    def rendered_prompt(self, body: Mapping[str, Any]) -> RenderedPrompt | None:
+        messages = chat_messages(body)
+        if messages is None:
+            return None
+        tokenize: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
+        count: dict[str, Any] = {"messages": body.get("messages")}
+        for name in ("model", "system", "chat_template_kwargs"):
+            if body.get(name) is not None:
+                count[name] = body[name]
+                if name != "system":
+                    tokenize[name] = body[name]
+        return RenderedPrompt(tokenize, "/v1/messages/count_tokens", count)
+
+    def continuation(
+        self,
+        body: Mapping[str, Any],
+        released: str,
+        released_tokens: int,
+        prompt_token_ids: list[int] | None = None,
+    ) -> dict[str, Any] | None:
+        """The same request with its prompt given as token ids: the rendered prompt
+        followed by the released text's (``kv_transfer_params.prompt_token_ids``,
+        which vLLM uses instead of rendering the messages)."""
+        if prompt_token_ids is None or not self.can_continue(body):
+            return None
+        transfer = body.get("kv_transfer_params")
+        if transfer is not None and not isinstance(transfer, dict):
+            return None
+        return {
+            "kv_transfer_params": {**(transfer or {}), "prompt_token_ids": prompt_token_ids},
+            **remaining_tokens(body, released_tokens, ("max_tokens",), None),
+        }
+
+    def splice(self, released: ReleasedPart) -> EventSplice | None:
+        return MessagesSplice(released)

@@ -203,7 +203,11 @@ class ChatCompletions(_OpenAIChoices):
         return messages[: settings.fingerprint_messages]
 
     def continuation(
-        self, body: Mapping[str, Any], released: str, released_tokens: int
+        self,
+        body: Mapping[str, Any],
+        released: str,
+        released_tokens: int,
+        prompt_token_ids: list[int] | None = None,
     ) -> dict[str, Any] | None:
         """vLLM continues a trailing assistant message with both
         ``continue_final_message`` and ``add_generation_prompt: false`` (one alone is a
@@ -241,7 +245,11 @@ class TextCompletions(_OpenAIChoices):
         return prompt[: settings.fingerprint_prompt_chars]
 
     def continuation(
-        self, body: Mapping[str, Any], released: str, released_tokens: int
+        self,
+        body: Mapping[str, Any],
+        released: str,
+        released_tokens: int,
+        prompt_token_ids: list[int] | None = None,
     ) -> dict[str, Any] | None:
         """The prompt and the released text, as one prompt (a string prompt only)."""
         prompt = body.get("prompt")

@@ -327,7 +327,11 @@ class Responses(ApiAdapter):
         )  # fmt: skip
 
     def continuation(
-        self, body: Mapping[str, Any], released: str, released_tokens: int
+        self,
+        body: Mapping[str, Any],
+        released: str,
+        released_tokens: int,
+        prompt_token_ids: list[int] | None = None,
     ) -> dict[str, Any] | None:
         """The input with the released text as a last assistant message whose status
         is ``in_progress``: vLLM continues it (``should_continue_final_message``)."""

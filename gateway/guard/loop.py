@@ -22,7 +22,7 @@ import orjson
 from multidict import CIMultiDict
 
 from gateway.apis import ApiAdapter
-from gateway.apis.base import EventSplice, ReleasedPart
+from gateway.apis.base import EventSplice, ReleasedPart, RenderedPrompt
 from gateway.config import (
     AfterRelease,
     ExhaustedPolicy,
@@ -797,7 +797,22 @@ class Guard:
             self.metrics.continuations.labels(api, "degenerate").inc()
         released = tail.released_text
         generated = tail.released_events
-        overrides = request.api.continuation(request.full_body(), released, generated)
+        body = request.full_body()
+        headers = trace.upstream_headers
+        assert headers is not None
+        # The released text's tokens: the continuation's prompt holds them, and the
+        # usage the client gets counts the original prompt only.
+        text_ids = await backend.tokenize(
+            {"model": request.model, "prompt": released, "add_special_tokens": False}, headers
+        )
+        prompt_ids = None
+        rendered = request.api.rendered_prompt(body)
+        if rendered is not None and text_ids is not None:
+            prompt_ids = await self._rendered_prompt_ids(backend, rendered, headers)
+        continued_ids = None
+        if prompt_ids is not None and text_ids is not None:
+            continued_ids = prompt_ids + text_ids
+        overrides = request.api.continuation(body, released, generated, continued_ids)
         if (
             overrides is None
             or self.mode is not GuardMode.ENFORCE
@@ -818,18 +833,13 @@ class Guard:
         trace.attempts += 1
         trace.continuations += 1
         trace.route(backend)
-        headers = trace.upstream_headers
-        assert headers is not None
-        # The usage the client gets counts the original prompt: the continuation's
-        # prompt holds the released text too, as many tokens as vLLM makes of it.
-        in_prompt = await backend.count_tokens(request.model, released, headers)
         splice = request.api.splice(
             ReleasedPart(
                 tail.first_bytes,
                 tail.latest_bytes,
                 released,
                 generated,
-                generated if in_prompt is None else in_prompt,
+                generated if text_ids is None else len(text_ids),
             )
         )
         if splice is None:
@@ -853,6 +863,25 @@ class Guard:
         tail.follow(inspector, inspector.text_events)
         trace.continuing = continued
         return continued, splice
+
+    @staticmethod
+    async def _rendered_prompt_ids(
+        backend: Backend, rendered: RenderedPrompt, headers: CIMultiDict[str]
+    ) -> list[int] | None:
+        """The prompt's token ids as vLLM renders it, for an API continued by token
+        ids; None unless vLLM's own count for the request agrees (the gateway renders
+        a conversation the way vLLM converts it; a count that differs says it did
+        not, and the answer is not continued)."""
+        ids = await backend.tokenize(rendered.tokenize, headers)
+        counted = await backend.ask_json(rendered.count_path, rendered.count_body, headers)
+        expected = counted.get("input_tokens") if counted is not None else None
+        if ids is None or expected != len(ids):
+            log.info(
+                "not continuing: the rendered prompt has %s tokens, vLLM counts %s",
+                None if ids is None else len(ids), expected,
+            )  # fmt: skip
+            return None
+        return ids
 
     def _count_late(self, attempt: Attempt, trace: Trace, kind: DegenerateKind) -> None:
         """A released stream degenerated: counted and captured."""

@@ -198,28 +198,39 @@ class Backend:
             url = self.parsed_urls[path] = URL(self.url + path)
         return url
 
-    async def count_tokens(
-        self, model: str | None, text: str, headers: Mapping[str, str], timeout_s: float = 5.0
-    ) -> int | None:
-        """How many tokens the backend makes of ``text`` (vLLM's ``/tokenize``, no
-        special tokens); None where it cannot say."""
-        body = {"prompt": text, "add_special_tokens": False}
-        if model is not None:
-            body["model"] = model
+    async def tokenize(
+        self, body: Mapping[str, Any], headers: Mapping[str, str]
+    ) -> list[int] | None:
+        """vLLM's ``/tokenize`` of ``body`` (a prompt, or chat messages rendered by the
+        model's template): the token ids, or None where the backend cannot say."""
+        answer = await self.ask_json("/tokenize", body, headers)
+        tokens = answer.get("tokens") if answer is not None else None
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            return None
+        return tokens
+
+    async def ask_json(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        timeout_s: float = 5.0,
+    ) -> dict[str, Any] | None:
+        """A small JSON request to the backend beside a generation (a continuation's
+        token counts): the JSON object it answers with 200, else None."""
         sent = {k: v for k, v in headers.items() if k.lower() == "authorization"}
         sent["Content-Type"] = "application/json"  # the session adds none of its own
         try:
             async with self.session.post(
-                self.url + "/tokenize",
+                self.url + path,
                 data=orjson.dumps(body),
                 headers=sent,
                 timeout=aiohttp.ClientTimeout(total=timeout_s),
             ) as response:
-                payload = await response.json() if response.status == 200 else None
+                answer = await response.json() if response.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return None
-        count = payload.get("count") if isinstance(payload, dict) else None
-        return count if isinstance(count, int) and not isinstance(count, bool) else None
+        return answer if isinstance(answer, dict) else None
 
     async def probe_health(self, timeout_s: float) -> bool:
         try:

@@ -16,6 +16,7 @@ import re
 import uuid
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -74,20 +75,41 @@ def _stream_responses(client: openai.OpenAI, **common: Any) -> tuple[str, list[A
     return "".join(e.delta for e in events if e.type == "response.output_text.delta"), events
 
 
-@pytest.mark.parametrize("api", ["chat", "completions", "responses"])
+def _stream_messages(base_url: str, **common: Any) -> tuple[str, list[Any]]:
+    """Anthropic Messages, with the official ``anthropic`` SDK: vLLM does not continue
+    a trailing assistant message there, so the gateway continues it by token ids."""
+    client = anthropic.Anthropic(base_url=base_url, api_key="test-key", max_retries=0)
+    # This SDK's create() has no temperature: greedy decoding goes in the body.
+    extra = {**common.pop("extra_body"), "temperature": common.pop("temperature")}
+    events = list(
+        client.messages.create(  # type: ignore[call-overload]
+            messages=[{"role": "user", "content": PROMPT}], stream=True, extra_body=extra,
+            **common,
+        )
+    )  # fmt: skip
+    text = "".join(
+        e.delta.text
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "text_delta"
+    )
+    return text, events
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "responses", "messages"])
 def test_a_stream_corrupted_after_release_reaches_the_client_as_one_answer(
     vllm: RunningVLLM, gateway_for: GatewayFactory, api: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     gateway = gateway_for(vllm.url, guard={"stream": STREAM})
     stream = {"chat": _stream_chat, "completions": _stream_completions,
-              "responses": _stream_responses}[api]  # fmt: skip
+              "responses": _stream_responses, "messages": _stream_messages}[api]  # fmt: skip
+    client_for = (lambda url: url) if api == "messages" else openai_client
     tag = f"{api}-{uuid.uuid4().hex[:8]}"  # this run's requests in the log
     common = {"model": vllm.model, "max_tokens": MAX_TOKENS, "temperature": 0}
-    healthy, direct = stream(openai_client(vllm.url), **common, extra_body={"ignore_eos": True})
+    healthy, direct = stream(client_for(vllm.url), **common, extra_body={"ignore_eos": True})
     xargs = {"vg_poison_after": HEALTHY_TOKENS, "vg_log_prompt": tag}
     with caplog.at_level("INFO", logger="gateway.guard.accounting"):
         text, chunks = stream(
-            openai_client(gateway.url),
+            client_for(gateway.url),
             **common,
             extra_body={"ignore_eos": True, "vllm_xargs": xargs},
             extra_headers={"x-request-id": tag},
@@ -97,6 +119,8 @@ def test_a_stream_corrupted_after_release_reaches_the_client_as_one_answer(
     assert "!!!" not in text
     if api == "responses":
         _assert_one_response(text, chunks, direct)
+    elif api == "messages":
+        _assert_one_message(chunks, direct)
     else:
         assert len({c.id for c in chunks}) == 1
         assert len({c.created for c in chunks}) == 1
@@ -190,3 +214,21 @@ def test_the_template_path_asks_vllm_for_what_the_token_exact_path_does(
         assert reply.status_code == 200, reply.text
     prompts = [ids for _, ids in _prompts_logged(vllm, tag)]
     assert prompts == [exact, exact, exact]
+
+
+def _assert_one_message(events: list[Any], direct: list[Any]) -> None:
+    """One Messages stream: one message_start, one text block opened and closed, one
+    message_delta (stop reason ``max_tokens``) with usage of one answer, one
+    message_stop."""
+    types = [e.type for e in events]
+    assert types.count("message_start") == 1
+    assert types.count("content_block_start") == 1
+    assert types.count("content_block_stop") == 1
+    assert types.count("message_delta") == 1
+    assert types[-1] == "message_stop"
+    assert types.count("message_stop") == 1
+    delta = next(e for e in events if e.type == "message_delta")
+    direct_delta = next(e for e in direct if e.type == "message_delta")
+    assert delta.delta.stop_reason == "max_tokens"
+    assert delta.usage.output_tokens == MAX_TOKENS
+    assert delta.usage.input_tokens == direct_delta.usage.input_tokens

@@ -32,6 +32,7 @@ from gateway.apis.openai_chunks import ChunkSplice
 from gateway.config import DetectorSettings
 from gateway.detect import Detector, StreamInspector
 from gateway.detect.text import unsettled_start
+from gateway.guard.loop import Guard
 from gateway.guard.tail import MAX_TAIL_BYTES, TailHold
 
 DETECTOR = Detector(DetectorSettings())
@@ -499,3 +500,104 @@ def test_a_loop_recognised_at_the_end_is_not_continued() -> None:
             assert metric(guard, "vllm_guard_degenerate_delivered_total", kind="token_loop") == 1
 
     asyncio.run(scenario())
+
+
+# -- Messages (continued by token ids) ------------------------------------------------
+
+MESSAGES = BY_NAME["messages"]
+
+
+@pytest.mark.parametrize(
+    ("body", "rendered"),
+    [
+        ({"system": "Be terse.", "messages": [{"role": "user", "content": "hi"}]},
+         [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}]),
+        ({"system": [{"type": "text", "text": "x-anthropic-billing-header: 1"},
+                     {"type": "text", "text": "Be "}, {"type": "text", "text": "terse."}],
+          "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+         [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"}]),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                    {"type": "text", "text": "b"}]},
+                       {"role": "assistant", "content": "ok"},
+                       {"role": "user", "content": "go"}]},
+         [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                       {"type": "text", "text": "b"}]},
+          {"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]),
+        # What the gateway does not render as vLLM converts it: not continued.
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f"}]}, None),
+        ({"messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "enabled"}},
+         None),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, None),
+        ({"messages": [{"role": "system", "content": "inline"},
+                       {"role": "user", "content": "hi"}]}, None),
+    ],
+)  # fmt: skip
+def test_a_messages_conversation_is_rendered_as_vllm_converts_it(
+    body: dict[str, Any], rendered: list[dict[str, Any]] | None
+) -> None:
+    prompt = MESSAGES.rendered_prompt({"model": "m", **body})
+    if rendered is None:
+        assert prompt is None
+        assert not MESSAGES.can_continue(body)
+        return
+    assert prompt is not None
+    assert prompt.tokenize == {"messages": rendered, "add_generation_prompt": True, "model": "m"}
+    assert prompt.count_path == "/v1/messages/count_tokens"
+    assert prompt.count_body["messages"] == body["messages"]
+
+
+def test_a_messages_continuation_gives_vllm_the_prompt_as_token_ids() -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+            "kv_transfer_params": {"other": 1}}  # fmt: skip
+    assert MESSAGES.continuation(body, "Hello", 5, None) is None  # no ids: not continued
+    assert MESSAGES.continuation(body, "Hello", 5, [1, 2, 3]) == {
+        "kv_transfer_params": {"other": 1, "prompt_token_ids": [1, 2, 3]},
+        "max_tokens": 35,
+    }
+
+
+def test_the_messages_splice_continues_the_clients_message() -> None:
+    splice = MESSAGES.splice(ReleasedPart(b"", b"", "Hi there", generated=4, in_prompt=3))
+    assert splice is not None
+    start = event_bytes("message_start", {"type": "message_start", "message": {"id": "new"}})
+    block = event_bytes("content_block_start", {
+        "type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""},
+    })  # fmt: skip
+    text = event_bytes("content_block_delta", {
+        "type": "content_block_delta", "index": 0,
+        "delta": {"type": "text_delta", "text": " 日本"},
+    })  # fmt: skip
+    stop = event_bytes("message_stop", {"type": "message_stop"})
+    assert splice.event(start) is None  # the client has its message_start
+    assert splice.event(block) is None  # and its text block, still open
+    assert splice.event(text) == text
+    assert splice.event(stop) == stop
+    usage = {"input_tokens": 13, "output_tokens": 10, "cache_read_input_tokens": 7}
+    delta = event_bytes("message_delta", {
+        "type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": usage,
+    })  # fmt: skip
+    out = splice.event(delta)
+    assert out is not None
+    rewritten = orjson.loads(out.split(b"data: ", 1)[1])["usage"]
+    # 20 prompt tokens (13 + 7 cached) less the 3 of the released text, 7 of them cached.
+    assert rewritten == {"input_tokens": 10, "output_tokens": 14, "cache_read_input_tokens": 7}
+
+
+@pytest.mark.parametrize(("counted", "continued"), [(3, True), (4, False), (None, False)])
+def test_a_rendered_prompt_is_used_only_when_vllm_counts_it_the_same(
+    counted: int | None, continued: bool
+) -> None:
+    """The gateway renders a Messages conversation for /tokenize the way vLLM converts
+    it; vLLM's own count_tokens for the request must agree, else no continuation."""
+
+    class Backend:
+        async def tokenize(self, body: dict[str, Any], headers: Any) -> list[int]:
+            return [5, 6, 7]
+
+        async def ask_json(self, path: str, body: dict[str, Any], headers: Any) -> Any:
+            return None if counted is None else {"input_tokens": counted}
+
+    rendered = MESSAGES.rendered_prompt({"messages": [{"role": "user", "content": "hi"}]})
+    assert rendered is not None
+    ids = asyncio.run(Guard._rendered_prompt_ids(Backend(), rendered, {}))  # type: ignore[arg-type]
+    assert (ids == [5, 6, 7]) is continued
