@@ -737,7 +737,10 @@ class Guard:
                     break
         except GatewayError as exc:
             verdict = "error"
-            return last + state.error_event(exc)
+            # What the tail still holds is healthy text (a degenerate end is dropped
+            # before it is continued): the client gets it before the error.
+            held = b"".join(tail.release_all()) if tail is not None else b""
+            return last + held + state.error_event(exc)
         except asyncio.CancelledError:
             if trace.client_gone:
                 raise  # counted as a disconnect; the verdict stands for what was sent
@@ -745,7 +748,8 @@ class Guard:
             # still takes it, then let the cancellation go on.
             verdict = "error"
             shutting_down = ShuttingDown("the gateway is shutting down")
-            await send(last + state.error_event(shutting_down))
+            held = b"".join(tail.release_all()) if tail is not None else b""
+            await send(last + held + state.error_event(shutting_down))
             raise
         finally:
             if not state.done:  # a complete stream is read to its end, then closed
@@ -820,6 +824,7 @@ class Guard:
         ):
             self.metrics.continuations.labels(api, "refused").inc()
             return None
+        tail.drop()  # never sent, whatever becomes of the continuation
         stream = segment.stream
         assert stream is not None
         stream.close()  # the rest of a degenerate answer is not worth reading
@@ -859,7 +864,6 @@ class Guard:
             "continued on %s (attempt %d)",
             trace.request_id, api, kind, len(released), backend.name, trace.attempts,
         )  # fmt: skip
-        tail.drop()
         tail.follow(inspector, inspector.text_events)
         trace.continuing = continued
         return continued, splice

@@ -601,3 +601,52 @@ def test_a_rendered_prompt_is_used_only_when_vllm_counts_it_the_same(
     assert rendered is not None
     ids = asyncio.run(Guard._rendered_prompt_ids(Backend(), rendered, {}))  # type: ignore[arg-type]
     assert (ids == [5, 6, 7]) is continued
+
+
+def breaks_after(events: list[bytes]) -> Any:
+    """A stream that sends ``events`` one by one, then drops the connection."""
+
+    async def answer(request: Any) -> Any:
+        from aiohttp import web
+
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for event in events:
+            await response.write(event)
+            await asyncio.sleep(0.005)
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    return answer
+
+
+def test_healthy_text_held_when_the_stream_breaks_reaches_the_client_before_the_error() -> None:
+    """The held end is healthy until a detector says otherwise: a stream that breaks
+    off while "Wow!" is held still gets it, then the in-band error."""
+
+    async def scenario() -> None:
+        script = Script([breaks_after([chunk("Open"), chunk(" the door. Wow!")])])
+        async with guard_with(script, stream=FIRST_TOKEN) as guard:
+            body = await relayed(await handle(guard, stream=True))
+            assert content_of(body) == "Open the door. Wow!"
+            assert body.index(b"Wow!") < body.index(b'"error"')
+
+    asyncio.run(scenario())
+
+
+def test_a_continuation_the_backend_refuses_never_sends_the_degenerate_end() -> None:
+    async def scenario() -> None:
+        async def refuses(request: Any) -> Any:
+            from aiohttp import web
+
+            return web.Response(status=500, text="boom")
+
+        script = Script([paced(stream_of(CLEAN_TEXT, *BANG_RUN)), refuses])
+        async with guard_with(script, stream=FIRST_TOKEN) as guard:
+            body = await relayed(await handle(guard, stream=True))
+            assert content_of(body) == CLEAN_TEXT
+            assert b'"error"' in body
+            assert metric(guard, "vllm_guard_continuations_total", outcome="error") == 1
+
+    asyncio.run(scenario())
