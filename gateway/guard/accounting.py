@@ -58,6 +58,7 @@ class Accounting:
             log.warning("evidence capture failed; continuing without it", exc_info=True)
 
     def count_attempt(self, attempt: Attempt, trace: Trace, degenerate: bool | None = None) -> None:
+        attempt.counted = True
         backend = attempt.backend.name
         self.metrics.upstream_duration.labels(trace.model, backend).observe(attempt.upstream_s)
         usage = attempt.usage

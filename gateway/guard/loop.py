@@ -760,7 +760,8 @@ class Guard:
             segment.usage = state.usage
             if state.upstream_error:
                 verdict = "error"
-            self.accounting.count_attempt(segment, trace, degenerate=verdict == "degenerate")
+            if not segment.counted:  # a degenerate one left for a continuation was
+                self.accounting.count_attempt(segment, trace, degenerate=verdict == "degenerate")
             if trace.continuations and not trace.client_gone:
                 outcome = "clean" if verdict == "recovered" else verdict
                 self.metrics.continuations.labels(trace.request.endpoint, outcome).inc()

@@ -88,6 +88,8 @@ class Attempt:
     upstream_s: float = 0.0
     #: The parsed body of a non-streaming attempt (for evidence capture).
     payload: dict[str, Any] | None = None
+    #: Its duration and tokens are counted (``Accounting.count_attempt``, once).
+    counted: bool = False
 
     def output_text(self, api: ApiAdapter) -> str:
         """What the degenerate choice said (content, else reasoning, else tool args)."""

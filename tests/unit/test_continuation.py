@@ -648,5 +648,7 @@ def test_a_continuation_the_backend_refuses_never_sends_the_degenerate_end() -> 
             assert content_of(body) == CLEAN_TEXT
             assert b'"error"' in body
             assert metric(guard, "vllm_guard_continuations_total", outcome="error") == 1
+            # Two attempts, each counted once: the degenerate one and the refused one.
+            assert metric(guard, "vllm_guard_upstream_duration_seconds_count") == 2
 
     asyncio.run(scenario())
