@@ -84,6 +84,26 @@ class ReleasedPart:
     generated: int
     in_prompt: int
 
+    def usage_of_one_answer(self, usage: object, prompt_key: str, completion_key: str) -> None:
+        """A continuation's usage as the whole answer's: the released text taken out of
+        the prompt, where the continuation counts it, and its generated tokens added
+        to the completion (``total_tokens`` made their sum)."""
+        if not isinstance(usage, dict):
+            return
+        prompt, completion = integer(usage.get(prompt_key)), integer(usage.get(completion_key))
+        if prompt is None or completion is None:
+            return
+        usage[prompt_key] = max(0, prompt - self.in_prompt)
+        usage[completion_key] = completion + self.generated
+        usage["total_tokens"] = usage[prompt_key] + usage[completion_key]
+
+
+def event_payload(raw: bytes) -> Any:
+    """The JSON of one SSE event's data (the bytes of one event, as ``StreamState``
+    forwards them), or None for an event without data and for ``[DONE]``."""
+    data = lf_event(raw.rstrip(b"\r\n")).data
+    return None if data is None or data == DONE else orjson.loads(data)
+
 
 @dataclass(frozen=True, slots=True)
 class RenderedPrompt:

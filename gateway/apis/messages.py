@@ -38,6 +38,7 @@ from gateway.apis.base import (
     RenderedPrompt,
     Usage,
     event_bytes,
+    event_payload,
     integer,
     remaining_tokens,
     text,
@@ -45,7 +46,6 @@ from gateway.apis.base import (
 from gateway.config import SaltReuseSettings
 from gateway.detect import ChoiceOutput, StreamInspector
 from gateway.errors import GatewayError
-from gateway.wire.sse import lf_event
 
 #: Anthropic's stop reasons in chat terms (the detectors read finish reasons).
 FINISH_REASONS = {
@@ -212,10 +212,9 @@ class MessagesSplice(EventSplice):
     released: ReleasedPart
 
     def event(self, raw: bytes) -> bytes | None:
-        data = lf_event(raw.rstrip(b"\r\n")).data
-        if data is None:
+        payload = event_payload(raw)  # StreamState has parsed it once already
+        if payload is None:
             return raw
-        payload = orjson.loads(data)  # StreamState has parsed it once already
         kind = payload.get("type")
         if kind == "message_start":
             return None

@@ -19,13 +19,13 @@ from gateway.apis.base import (
     EventSplice,
     ReleasedPart,
     Usage,
+    event_payload,
     integer,
     json_events,
     remaining_tokens,
 )
 from gateway.config import SaltReuseSettings
 from gateway.detect import ChoiceOutput, Detector, Verdict, as_text, choice_index
-from gateway.wire.sse import DONE, lf_event
 
 #: Request fields under which a continuation would not continue the same answer:
 #: a grammar (structured outputs) restarts at the continuation's first token; an
@@ -118,13 +118,11 @@ def continuable(body: Mapping[str, Any]) -> bool:
 class ChunkSplice:
     """A continuation's chunk stream rewritten into the client's (``EventSplice``):
     the original's id, created, model and system fingerprint on every chunk; the
-    opening role chunk dropped (the client has one); usage with the released text
-    taken out of the prompt, where the continuation counts it (``prompt_less``
-    tokens), and its generated tokens added to the completion (``completion_more``)."""
+    opening role chunk dropped (the client has one); usage of one answer
+    (``ReleasedPart.usage_of_one_answer``)."""
 
     identity: dict[str, Any]
-    prompt_less: int
-    completion_more: int
+    released: ReleasedPart
 
     @classmethod
     def of(cls, released: ReleasedPart) -> ChunkSplice | None:
@@ -132,13 +130,12 @@ class ChunkSplice:
         if first is None:
             return None
         identity = {k: first[k] for k in _IDENTITY if k in first}
-        return cls(identity, released.in_prompt, released.generated)
+        return cls(identity, released)
 
     def event(self, raw: bytes) -> bytes | None:
-        data = lf_event(raw.rstrip(b"\r\n")).data
-        if data is None or data == DONE:
+        payload = event_payload(raw)  # StreamState has parsed it once already
+        if payload is None:
             return raw
-        payload = orjson.loads(data)  # StreamState has parsed it once already
         choices = payload.get("choices")
         if isinstance(choices, list) and choices:
             for choice in choices:
@@ -150,13 +147,9 @@ class ChunkSplice:
         for key in _IDENTITY:
             if key in self.identity:
                 payload[key] = self.identity[key]
-        usage = payload.get("usage")
-        if isinstance(usage, dict):
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if isinstance(prompt, int) and isinstance(completion, int):
-                usage["prompt_tokens"] = max(0, prompt - self.prompt_less)
-                usage["completion_tokens"] = completion + self.completion_more
-                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        self.released.usage_of_one_answer(
+            payload.get("usage"), "prompt_tokens", "completion_tokens"
+        )
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 

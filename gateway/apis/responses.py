@@ -33,8 +33,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import orjson
-
 from gateway.apis.base import (
     BACKEND_ERROR,
     NO_SIGNAL,
@@ -45,6 +43,7 @@ from gateway.apis.base import (
     ReleasedPart,
     Usage,
     event_bytes,
+    event_payload,
     integer,
     json_events,
     remaining_tokens,
@@ -53,7 +52,6 @@ from gateway.apis.base import (
 from gateway.config import SaltReuseSettings
 from gateway.detect import ChoiceOutput, StreamInspector
 from gateway.errors import GatewayError
-from gateway.wire.sse import lf_event
 
 #: Events that end a Responses stream.
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -221,10 +219,9 @@ class ResponsesSplice(EventSplice):
         )
 
     def event(self, raw: bytes) -> bytes | None:
-        data = lf_event(raw.rstrip(b"\r\n")).data
-        if data is None:
+        payload = event_payload(raw)  # StreamState has parsed it once already
+        if payload is None:
             return raw
-        payload = orjson.loads(data)  # StreamState has parsed it once already
         kind = payload.get("type")
         if kind in _OPENING_EVENTS:
             return None
@@ -242,7 +239,9 @@ class ResponsesSplice(EventSplice):
             response["created_at"] = self.created_at
             for item in response.get("output") or ():
                 self._rewrite_item(item)
-            self._one_answers_usage(response.get("usage"))
+            self.released.usage_of_one_answer(
+                response.get("usage"), "input_tokens", "output_tokens"
+            )
         if "sequence_number" in payload:
             payload["sequence_number"] = self.next_sequence
             self.next_sequence += 1
@@ -258,16 +257,6 @@ class ResponsesSplice(EventSplice):
     def _prefix_part(self, part: object) -> None:
         if isinstance(part, dict) and part.get("type") == "output_text":
             part["text"] = self.released.text + text(part.get("text"))
-
-    def _one_answers_usage(self, usage: object) -> None:
-        if not isinstance(usage, dict):
-            return
-        prompt, completion = integer(usage.get("input_tokens")), integer(usage.get("output_tokens"))
-        if prompt is None or completion is None:
-            return
-        usage["input_tokens"] = max(0, prompt - self.released.in_prompt)
-        usage["output_tokens"] = completion + self.released.generated
-        usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
 
 
 class Responses(ApiAdapter):

@@ -89,13 +89,8 @@ class TailHold:
 
     def released(self, data: bytes) -> None:
         """Bytes released by the hold-back before this tail took over."""
-        if not self.first_bytes:
-            self.first_bytes = data
-        self.latest_bytes = data
         self._take_text()
-        self.released_parts.append(self._held_text)
-        self.released_events = self._events()
-        self._held_text = ""
+        self._sent([data], len(self._held_text), self._events())
 
     def take(self, forward: list[bytes]) -> list[bytes]:
         """One batch of the stream's events: what may be sent now."""
@@ -106,14 +101,7 @@ class TailHold:
         text = self._held_text
         if not self._held and unsettled_start(text, self.candidates) == len(text):
             # Nothing held and this batch ends settled (nearly every token): sent as is.
-            if text:
-                self.released_parts.append(text)
-                self._held_text = ""
-            self.released_events = self._events()
-            if not self.first_bytes:
-                self.first_bytes = forward[0] if forward else b""
-            if forward:
-                self.latest_bytes = forward[-1]
+            self._sent(forward, len(text), self._events())
             return forward
         self._held.append(_HeldBatch(forward, len(text), self._events()))
         self._held_bytes += sum(map(len, forward))
@@ -165,17 +153,21 @@ class TailHold:
         batches = self._held[:count]
         del self._held[:count]
         last = batches[-1]
-        text_end = last.text_end
+        for batch in self._held:
+            batch.text_end -= last.text_end
+        out = [data for batch in batches for data in batch.data]
+        self._held_bytes -= sum(map(len, out))
+        self._sent(out, last.text_end, last.events_end)
+        return out
+
+    def _sent(self, out: list[bytes], text_end: int, events: int) -> None:
+        """``out`` goes to the client: with it the held text up to ``text_end``, and
+        the stream's text events up to ``events``."""
         if text_end:
             self.released_parts.append(self._held_text[:text_end])
             self._held_text = self._held_text[text_end:]
-            for batch in self._held:
-                batch.text_end -= text_end
-        self.released_events = last.events_end
-        out = [data for batch in batches for data in batch.data]
-        self._held_bytes -= sum(map(len, out))
+        self.released_events = events
         if out:
             if not self.first_bytes:
                 self.first_bytes = out[0]
             self.latest_bytes = out[-1]
-        return out
