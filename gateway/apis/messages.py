@@ -292,7 +292,8 @@ class Messages(ApiAdapter):
         """A text-only conversation: vLLM's Messages API does not continue a trailing
         assistant message, so the answer is continued by token ids, and the gateway
         can have vLLM render only such a prompt (``chat_messages``)."""
-        return chat_messages(body) is not None
+        transfer = body.get("kv_transfer_params")
+        return chat_messages(body) is not None and (transfer is None or isinstance(transfer, dict))
 
     def rendered_prompt(self, body: Mapping[str, Any]) -> RenderedPrompt | None:
         messages = chat_messages(body)
@@ -320,8 +321,6 @@ class Messages(ApiAdapter):
         if prompt_token_ids is None or not self.can_continue(body):
             return None
         transfer = body.get("kv_transfer_params")
-        if transfer is not None and not isinstance(transfer, dict):
-            return None
         return {
             "kv_transfer_params": {**(transfer or {}), "prompt_token_ids": prompt_token_ids},
             **remaining_tokens(body, released_tokens, ("max_tokens",), None),

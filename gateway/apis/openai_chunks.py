@@ -171,9 +171,6 @@ class _OpenAIChoices(ApiAdapter):
     def splice(self, released: ReleasedPart) -> EventSplice | None:
         return ChunkSplice.of(released)
 
-    def can_continue(self, body: Mapping[str, Any]) -> bool:
-        return continuable(body)
-
     def outputs(self, payload: Mapping[str, Any]) -> Iterable[tuple[int, ChoiceOutput]]:
         return body_choices(payload)
 
@@ -195,6 +192,18 @@ class ChatCompletions(_OpenAIChoices):
             return None
         return messages[: settings.fingerprint_messages]
 
+    def can_continue(self, body: Mapping[str, Any]) -> bool:
+        """A conversation whose answer is the same answer longer (``continuable``); a
+        client continuing its own assistant message only when its content is a string
+        (the released text is appended to it)."""
+        messages = body.get("messages")
+        if not continuable(body) or not isinstance(messages, list) or not messages:
+            return False
+        last = messages[-1]
+        return body.get("continue_final_message") is not True or (
+            isinstance(last, dict) and isinstance(last.get("content"), str)
+        )
+
     def continuation(
         self,
         body: Mapping[str, Any],
@@ -206,13 +215,11 @@ class ChatCompletions(_OpenAIChoices):
         ``continue_final_message`` and ``add_generation_prompt: false`` (one alone is a
         400). A client that continues its own assistant message has the released
         text appended to it."""
-        messages = body.get("messages")
-        if not continuable(body) or not isinstance(messages, list) or not messages:
+        if not self.can_continue(body):
             return None
+        messages = body["messages"]
         last = messages[-1]
         if body.get("continue_final_message") is True:
-            if not isinstance(last, dict) or not isinstance(last.get("content"), str):
-                return None
             continued = [*messages[:-1], {**last, "content": last["content"] + released}]
         else:
             continued = [*messages, {"role": "assistant", "content": released}]
@@ -237,6 +244,10 @@ class TextCompletions(_OpenAIChoices):
             return None
         return prompt[: settings.fingerprint_prompt_chars]
 
+    def can_continue(self, body: Mapping[str, Any]) -> bool:
+        """A string prompt (one prompt; token ids are not continued as text)."""
+        return continuable(body) and isinstance(body.get("prompt"), str)
+
     def continuation(
         self,
         body: Mapping[str, Any],
@@ -245,11 +256,10 @@ class TextCompletions(_OpenAIChoices):
         prompt_token_ids: list[int] | None = None,
     ) -> dict[str, Any] | None:
         """The prompt and the released text, as one prompt (a string prompt only)."""
-        prompt = body.get("prompt")
-        if not continuable(body) or not isinstance(prompt, str):
+        if not self.can_continue(body):
             return None
         return {
-            "prompt": prompt + released,
+            "prompt": body["prompt"] + released,
             **remaining_tokens(
                 body, released_tokens, ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS
             ),

@@ -309,6 +309,7 @@ class Responses(ApiAdapter):
         tool_choice = body.get("tool_choice")
         return (
             body.get("store") is False
+            and isinstance(body.get("input"), (str, list))
             and body.get("background") is not True
             and (answer_format is None or (isinstance(answer_format, dict)
                                            and answer_format.get("type") == "text"))

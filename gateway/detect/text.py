@@ -251,29 +251,72 @@ def unsettled_start(text: str, candidates: frozenset[str]) -> int:
     """Where the end of ``text`` that could still become one of the bug's signatures
     starts (``len(text)``: nothing could): a trailing run of one punctuation
     character (whitespace between repeats), trailing tokenizer artifacts or the start
-    of one, and trailing whitespace, which a chat template may strip from the text a
-    continuation is asked to continue. A stream's rolling hold-back keeps this part
-    back (``gateway.guard.tail``)."""
+    of one, a trailing run of one letter, and trailing whitespace, which a chat
+    template may strip from the text a continuation is asked to continue. A stream's
+    rolling hold-back keeps this part back (``gateway.guard.tail``); the earliest
+    start any of them gives wins, so an artifact ending in punctuation (``[PAD]``) is
+    held whole, not from its ``]``."""
     end = len(text)
     while end and text[end - 1].isspace():
         end -= 1
     if not end:
         return 0
+    start = end
     last = text[end - 1]
-    if last in candidates:
+    floor = max(0, end - _UNSETTLED_SCAN)
+    if last in candidates or (last.isascii() and last.isalpha()):
         # The run and the whitespace before it: the text a continuation continues
         # ends on a settled character, whatever a template strips.
         position = end - 1
-        floor = max(0, end - _UNSETTLED_SCAN)
         while position > floor and (text[position - 1] == last or text[position - 1].isspace()):
             position -= 1
-        return position
+        run = end - position - sum(c.isspace() for c in text[position:end])
+        if last in candidates or run >= LETTER_RUN_HELD:
+            start = position
     if last in ">]\ufffd" or "<" in text[-48:] or "[" in text[-8:]:
-        floor = max(0, end - _UNSETTLED_SCAN)
         match = _ARTIFACTS_AT_END.search(text, floor, end)
         if match is not None:
-            return match.start()
-    return end
+            start = min(start, match.start())
+    return start
+
+
+#: A run of one letter is held from this many repeats ("aaa", "s s s"): no English
+#: word repeats a letter three times, and "www" or "zzz" is released with the next
+#: token. The detector's ``letter_run`` decides whether a held run is degenerate.
+LETTER_RUN_HELD = 3
+#: A repeating end is held once this many characters of its next copy matched:
+#: shorter overlaps ("the" twice in a sentence) are ordinary text, held too often.
+REPEAT_MIN_OVERLAP = 4
+
+
+def repeat_start(text: str, max_unit: int) -> int:
+    """Where the copies after the first of a unit repeating at the end of ``text``
+    start (``len(text)``: the end does not repeat): the unit is at most ``max_unit``
+    characters, has a letter and two distinct characters (what ``token_loop`` can
+    call a loop), and at least ``REPEAT_MIN_OVERLAP`` characters of its next copy
+    are there. "the cat sat. the cat" -> the second "the cat". A stream's rolling
+    hold-back keeps the copies back (``gateway.guard.tail``): if they become a loop,
+    they are dropped and the answer continued from the end of the first copy; when
+    the repetition breaks, they go out."""
+    n = len(text)
+    overlap = REPEAT_MIN_OVERLAP
+    if n < 2 * overlap:
+        return n
+    ending = text[n - overlap :]
+    lowest = max(0, n - overlap - max_unit)
+    # A period p works only if the last characters recur p places before the end.
+    at = text.rfind(ending, lowest, n - 1)
+    best = n
+    while at >= 0:
+        period = n - overlap - at
+        if period and _loop_unit_counts(text[n - period :]):
+            # Extend the periodic end backwards: where does the repetition begin?
+            begin = n - overlap - period
+            while begin > 0 and text[begin - 1] == text[begin - 1 + period]:
+                begin -= 1
+            best = min(best, begin + period)
+        at = text.rfind(ending, lowest, at + overlap - 1) if at > lowest else -1
+    return best
 
 
 def first_visible(parts: list[str]) -> str:

@@ -228,6 +228,7 @@ class Guard:
         counted as the request's outcome unless it already was (the exhausted policy
         "error" counts "degenerate"). A client that left is counted by the server."""
         self._settle(trace, recovered=recovered)
+        trace.end_prompt_check()
         if recovered is None:
             trace.unroute()
         elif not trace.finished:
@@ -557,24 +558,32 @@ class Guard:
 
         Adaptive: released as soon as the inspector finds the text clearly healthy,
         held while it could still be degenerate, judged at the ceiling (or when the
-        held bytes reach MAX_HELD_BYTES: a flood of whitespace shows no characters)."""
+        held bytes reach MAX_HELD_BYTES: a flood of whitespace shows no characters).
+
+        A stream the guard can continue (its request has a continuation plan) is
+        handed to its rolling hold-back (``TailHold``) from the first byte: what may
+        be released is only what the tail has settled, whatever arrives in one read,
+        and with ``auto`` it is released at its first token."""
         state = attempt.stream
         assert state is not None
         request = trace.request
         ceiling = self.holdback_for(request.model) if trace.inspecting else 0
         if ceiling == 0:
-            return
+            return  # inspected and counted only: nothing is held, nothing continued
         min_release = min(self.settings.guard.stream.min_release_chars, ceiling)
         policy = self.release_for(request.model)
-        continuable = policy is ReleasePolicy.AUTO and self._continuable(request)
-        first_token = policy is ReleasePolicy.FIRST_TOKEN or continuable
         inspector = state.inspector
+        tail = self._tail_for(trace, inspector) if self._continuable(request) else None
+        attempt.tail = tail
+        first_token = policy is ReleasePolicy.FIRST_TOKEN or (
+            policy is ReleasePolicy.AUTO and tail is not None
+        )
         held_bytes = 0
         while (forward := await state.next_batch()) is not None:
-            state.held.extend(forward)
+            held_bytes += sum(map(len, forward))
+            state.held.extend(forward if tail is None else tail.take(forward))
             if state.ended():
                 break
-            held_bytes += sum(map(len, forward))
             decision = hold_decision(
                 inspector,
                 min_release,
@@ -582,14 +591,38 @@ class Guard:
                 ceiling,
                 full=held_bytes >= MAX_HELD_BYTES,
                 first_token=first_token,
-                content_only=continuable,
+                content_only=tail is not None,
             )
-            if decision is not None:
+            if decision is None:
+                continue
+            if decision.degenerate or tail is None:
                 attempt.verdict = decision
                 return
+            if not tail.continuable or not await self._plan_holds(trace):
+                # Not continuable after all: released as adaptive releases it.
+                state.held.extend(tail.release_all())
+                tail.continuable = False
+                attempt.tail = tail = None
+                first_token = policy is ReleasePolicy.FIRST_TOKEN
+                continue
+            if tail.has_released_text:
+                attempt.verdict = decision
+                return
+            # Everything read so far is the tail's unsettled end ("The capital is
+            # !!!!" in one read): held until settled, or judged as the stream goes.
+        if tail is not None:
+            state.held.extend(tail.release_all())  # the whole answer is judged below
         attempt.usage = state.usage
         if state.done and not state.upstream_error:
             attempt.verdict = inspector.final_verdict()
+
+    async def _plan_holds(self, trace: Trace) -> bool:
+        """The request's continuation plan still holds at release: for an API
+        continued by token ids, vLLM's count agreed with the rendered prompt (the
+        check started beside the first attempt)."""
+        if trace.prompt_ids is None:
+            return True
+        return await asyncio.shield(trace.prompt_ids) is not None
 
     # -- releasing to the client ----------------------------------------------------
 
@@ -609,11 +642,17 @@ class Guard:
             return "degenerate"
         return "recovered" if trace.degenerate_seen else "clean"
 
+    def _remember_salt(self, attempt: Attempt, trace: Trace) -> None:
+        """A clean answer came on ``attempt``'s salt: the conversation's next turn
+        starts there (shared through Redis where configured)."""
+        salt = attempt.salt
+        if salt not in (None, trace.request.client_salt):
+            self.salts.remember(self.conversation(trace), salt, trace.rung)
+
     def _release(self, attempt: Attempt, trace: Trace) -> Answer:
         verdict = self._request_verdict(attempt, trace)
-        salt = attempt.salt
-        if verdict in ("clean", "recovered") and salt not in (None, trace.request.client_salt):
-            self.salts.remember(self.conversation(trace), salt, trace.rung)
+        if verdict in ("clean", "recovered"):
+            self._remember_salt(attempt, trace)
         self._remember_answer(attempt, trace)
         headers = self._headers(attempt, trace, verdict)
         if attempt.stream is None:
@@ -677,7 +716,7 @@ class Guard:
         inspector = state.inspector
         # A stream that ended while held was judged whole then (``_hold_back``).
         inspect = trace.inspecting and not state.ended()
-        tail = self._tail_for(trace, inspector) if inspect else None
+        tail = attempt.tail if inspect else None
         splice: EventSplice | None = None
         segment = attempt  # the attempt being relayed: the first, then a continuation
         released_clean = not attempt.verdict.degenerate
@@ -687,8 +726,6 @@ class Guard:
             if state.held:
                 data = b"".join(state.held)
                 state.held.clear()
-                if tail is not None:
-                    tail.released(data)
                 if state.ended():
                     last = data
                 elif not write_now(data):
@@ -706,6 +743,8 @@ class Guard:
                         kind = inspector.final_verdict().kind if state.done else None
                     elif inspector.suspect:
                         kind = inspector.partial_verdict().kind
+                    if kind is None and tail is not None and tail.holding:
+                        kind = tail.signature()  # a loop or a run the tail holds whole
                 if kind is not None:
                     self._count_late(segment, trace, kind)
                     if tail is not None and tail.holds(kind):
@@ -762,25 +801,41 @@ class Guard:
                 verdict = "error"
             if not segment.counted:  # a degenerate one left for a continuation was
                 self.accounting.count_attempt(segment, trace, degenerate=verdict == "degenerate")
-            if trace.continuations and not trace.client_gone:
+            if trace.continuations and not trace.client_gone and not trace.continuation_counted:
                 outcome = "clean" if verdict == "recovered" else verdict
                 self.metrics.continuations.labels(trace.request.endpoint, outcome).inc()
+            if trace.continuations and verdict == "recovered":
+                # As after a whole retry: the conversation's next turn starts on the
+                # salt that recovered it, not in the poisoned cache.
+                self._remember_salt(segment, trace)
             self._settle(trace, recovered=None if trace.client_gone else verdict == "recovered")
             self.accounting.finish(trace, segment.backend, verdict)
         return last
 
-    def _tail_for(self, trace: Trace, inspector: StreamInspector) -> TailHold | None:
-        """The rolling hold-back of a released stream the guard may continue."""
-        if not self._continuable(trace.request):
-            return None
-        return TailHold(inspector.detector.candidates, inspector)
+    def _tail_for(self, trace: Trace, inspector: StreamInspector) -> TailHold:
+        """The rolling hold-back of a stream the guard may continue; for an API
+        continued by token ids, its prompt check starts now, beside the attempt."""
+        request = trace.request
+        rendered = request.api.rendered_prompt(request.body)
+        if rendered is not None and trace.prompt_ids is None and trace.routed is not None:
+            headers = trace.upstream_headers
+            assert headers is not None
+            trace.prompt_ids = asyncio.ensure_future(
+                self._rendered_prompt_ids(trace.routed, rendered, headers)
+            )
+        settings = inspector.detector.settings
+        max_unit = settings.token_loop_max_unit_chars if settings.token_loop else 0
+        return TailHold(inspector.detector.candidates, inspector, max_unit=max_unit)
 
     def _continuable(self, request: GuardedRequest) -> bool:
-        """A degenerate end after release may be continued (``after_release: continue``)."""
+        """The request has a continuation plan: a degenerate end after release may be
+        continued (``after_release: continue``). Decided on the whole body before
+        the first byte; a body too large to decode whole (``spans``) has none."""
         return (
             self.mode is GuardMode.ENFORCE
             and self.settings.guard.stream.after_release is AfterRelease.CONTINUE
             and request.n == 1
+            and request.spans is None
             and request.api.can_continue(request.body)
         )
 
@@ -797,23 +852,23 @@ class Guard:
         request = trace.request
         backend = segment.backend
         api = request.endpoint
-        if trace.continuations:
+        if trace.continuations and not trace.continuation_counted:
             self._settle(trace, recovered=False)  # the last continuation degenerated too
             self.metrics.continuations.labels(api, "degenerate").inc()
+            trace.continuation_counted = True
         released = tail.released_text
-        generated = tail.released_events
-        body = request.full_body()
+        body = request.body
         headers = trace.upstream_headers
         assert headers is not None
-        # The released text's tokens: the continuation's prompt holds them, and the
-        # usage the client gets counts the original prompt only.
+        # The released text's tokens: the continuation's prompt holds them, the
+        # continuation's token limits and the usage the client gets count them
+        # (vLLM's tokenizer: one event may carry several tokens, with MTP or
+        # --stream-interval).
         text_ids = await backend.tokenize(
             {"model": request.model, "prompt": released, "add_special_tokens": False}, headers
         )
-        prompt_ids = None
-        rendered = request.api.rendered_prompt(body)
-        if rendered is not None and text_ids is not None:
-            prompt_ids = await self._rendered_prompt_ids(backend, rendered, headers)
+        generated = tail.released_events if text_ids is None else len(text_ids)
+        prompt_ids = await trace.prompt_ids if trace.prompt_ids is not None else None
         continued_ids = None
         if prompt_ids is not None and text_ids is not None:
             continued_ids = prompt_ids + text_ids
@@ -824,7 +879,9 @@ class Guard:
             or not self._may_retry(trace, backend)
         ):
             self.metrics.continuations.labels(api, "refused").inc()
+            trace.continuation_counted = True
             return None
+        trace.continuation_counted = False
         tail.drop()  # never sent, whatever becomes of the continuation
         stream = segment.stream
         assert stream is not None
@@ -840,13 +897,7 @@ class Guard:
         trace.continuations += 1
         trace.route(backend)
         splice = request.api.splice(
-            ReleasedPart(
-                tail.first_bytes,
-                tail.latest_bytes,
-                released,
-                generated,
-                generated if text_ids is None else len(text_ids),
-            )
+            ReleasedPart(tail.first_bytes, tail.latest_bytes, released, generated, generated)
         )
         if splice is None:
             raise UpstreamProtocolError("the released stream's opening event is not JSON")
@@ -924,4 +975,5 @@ class Guard:
         for relayed in (attempt, trace.continuing):
             if relayed is not None and relayed.stream is not None:
                 relayed.stream.close()
+        trace.end_prompt_check()
         trace.unroute()

@@ -3,12 +3,18 @@
 Once a stream is released (``gateway.guard.release``), its text goes to the client
 as it arrives, except its end where that could still become one of the bug's
 signatures (``gateway.detect.text.unsettled_start``): a run of one punctuation
-character (the ``!`` of NaN logits), tokenizer artifacts, trailing whitespace. Held
-text is released as soon as what follows settles it ("Wow!" goes out with the next
-word), so a healthy stream is delayed by a token at most, and only after such a
-character. When the held end turns degenerate, none of it has been sent: the guard
-drops it and continues the answer from exactly the text the client has
-(``gateway.guard.continuation``).
+character (the ``!`` of NaN logits), tokenizer artifacts, a run of one letter,
+trailing whitespace; and the copies after the first of a unit that repeats at the
+end (``repeat_start``: it could become a loop). Held text is released as soon as
+what follows settles it ("Wow!" goes out with the next word, a repetition that
+breaks goes out with the token that breaks it), so a healthy stream is delayed by a
+token, only after such an end, and never loses text. When the held end turns
+degenerate (``signature``), none of it has been sent: the guard drops it and
+continues the answer from exactly the text the client has.
+
+The tail owns a guarded stream from its first byte: while the stream is still held
+back before release (``Guard._hold_back``) its batches go through ``take`` too, so
+the first release never sends an unsettled end, whatever arrives in one read.
 
 Only a stream the guard can continue is held this way: one output whose text is
 plain content (a continuation cannot resume reasoning or half a tool call). Once
@@ -21,12 +27,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.detect import DegenerateKind, StreamInspector
-from gateway.detect.text import unsettled_start
+from gateway.detect.text import REPEAT_MIN_OVERLAP, repeat_start, unsettled_start
 
-#: The signatures a held end can hold whole: a run of one punctuation character,
-#: tokenizer artifacts. A loop or a letter run is longer than any held end: once
-#: recognised, most of it has been sent, and a continuation would go on from it.
-CONTINUED_KINDS = frozenset({DegenerateKind.PUNCT_RUN, DegenerateKind.SPECIAL_TOKENS})
+#: The signatures a held end holds whole, from their first character: a run of one
+#: punctuation character or of one letter, tokenizer artifacts, a loop (its copies
+#: after the first).
+CONTINUED_KINDS = frozenset({
+    DegenerateKind.PUNCT_RUN, DegenerateKind.SPECIAL_TOKENS,
+    DegenerateKind.LETTER_RUN, DegenerateKind.TOKEN_LOOP,
+})  # fmt: skip
+#: Held text is judged by the detectors each time it has grown by this many
+#: characters (a loop or a letter run is recognised while it is all held).
+JUDGE_EVERY_CHARS = 32
 
 #: Most bytes kept back at once: a flood of whitespace settles nothing, yet is not
 #: the bug's signature; past this the held part is released.
@@ -47,6 +59,8 @@ class TailHold:
 
     candidates: frozenset[str]
     inspector: StreamInspector
+    #: The longest loop unit the detector recognises (0: loops are not held).
+    max_unit: int = 0
     #: The stream can still be continued: one output, plain content so far.
     continuable: bool = True
     #: The text the client has been sent (its pieces), and how many text events
@@ -64,6 +78,12 @@ class TailHold:
     #: counted before the current inspector (a continuation's inspector starts anew).
     _parts_seen: int = 0
     _events_before: int = 0
+    #: The end of the released text, to see a repetition that began before the
+    #: held part; and whether the held part is held as a repetition.
+    _recent: str = ""
+    _repeating: bool = False
+    #: The held text's length when the detectors last judged it.
+    _judged_at: int = 0
 
     @property
     def released_text(self) -> str:
@@ -74,10 +94,31 @@ class TailHold:
         """Some text is held back (a degenerate end may be dropped)."""
         return bool(self._held_text)
 
+    @property
+    def has_released_text(self) -> bool:
+        return bool(self.released_parts)
+
     def holds(self, kind: DegenerateKind) -> bool:
         """The degenerate end of this kind is held, not sent: it can be dropped and
-        the answer continued."""
-        return self.continuable and self.holding and kind in CONTINUED_KINDS
+        the answer continued. A loop only when its copies are what is held."""
+        if not (self.continuable and self.holding and kind in CONTINUED_KINDS):
+            return False
+        return kind is not DegenerateKind.TOKEN_LOOP or self._repeating
+
+    def signature(self) -> DegenerateKind | None:
+        """The kind of signature the held end has become, judged on the whole answer
+        (``complete=False``, as the hold-back's ceiling judges it) each time the held
+        text grew by ``JUDGE_EVERY_CHARS``; None while it has not. Held text is
+        rare and short: a healthy stream pays nothing here."""
+        held = len(self._held_text)
+        if held - self._judged_at < JUDGE_EVERY_CHARS or not self.continuable:
+            return None
+        self._judged_at = held
+        choice = self.inspector.choices.get(0)
+        if choice is None:
+            return None
+        kind = self.inspector.detector.text_kind("".join(choice.content_parts), complete=False)
+        return kind if kind is not None and self.holds(kind) else None
 
     def follow(self, inspector: StreamInspector, events_before: int) -> None:
         """A continuation's inspector, fed the released text already (``events_before``
@@ -99,7 +140,8 @@ class TailHold:
         if not self._take_text():
             return self.release_all(forward)
         text = self._held_text
-        if not self._held and unsettled_start(text, self.candidates) == len(text):
+        keep_from = self._keep_from()
+        if not self._held and keep_from == len(text):
             # Nothing held and this batch ends settled (nearly every token): sent as is.
             self._sent(forward, len(text), self._events())
             return forward
@@ -107,7 +149,6 @@ class TailHold:
         self._held_bytes += sum(map(len, forward))
         if self._held_bytes > MAX_TAIL_BYTES:
             return self.release_all()
-        keep_from = unsettled_start(self._held_text, self.candidates)
         releasing = 0
         for batch in self._held:
             if batch.text_end > keep_from:
@@ -129,6 +170,20 @@ class TailHold:
         self._held.clear()
         self._held_text = ""
         self._held_bytes = 0
+        self._judged_at = 0
+        self._repeating = False
+
+    def _keep_from(self) -> int:
+        """Where in the held text the part that must stay held starts."""
+        text = self._held_text
+        keep = unsettled_start(text, self.candidates)
+        self._repeating = False
+        if self.max_unit and len(text) + len(self._recent) >= 2 * REPEAT_MIN_OVERLAP:
+            repeated = repeat_start(self._recent + text, self.max_unit) - len(self._recent)
+            if repeated < len(text):
+                self._repeating = True
+                keep = min(keep, max(0, repeated))
+        return keep
 
     def _take_text(self) -> bool:
         """Take the output's new text into the held text; False (and no longer
@@ -145,6 +200,11 @@ class TailHold:
             self._held_text += "".join(parts[self._parts_seen :])
             self._parts_seen = len(parts)
         return True
+
+    @property
+    def _recent_chars(self) -> int:
+        """Released text kept to see a repetition: two units and the overlap."""
+        return 2 * self.max_unit + REPEAT_MIN_OVERLAP
 
     def _events(self) -> int:
         return self._events_before + self.inspector.text_events
@@ -164,8 +224,11 @@ class TailHold:
         """``out`` goes to the client: with it the held text up to ``text_end``, and
         the stream's text events up to ``events``."""
         if text_end:
-            self.released_parts.append(self._held_text[:text_end])
+            part = self._held_text[:text_end]
+            self.released_parts.append(part)
+            self._recent = (self._recent + part)[-self._recent_chars :]
             self._held_text = self._held_text[text_end:]
+            self._judged_at = max(0, self._judged_at - text_end)
         self.released_events = events
         if out:
             if not self.first_bytes:

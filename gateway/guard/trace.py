@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,7 @@ from gateway.detect import CLEAN, Verdict
 from gateway.guard.budget import RetryTicket
 from gateway.guard.request import GuardedRequest
 from gateway.guard.stream import StreamState
+from gateway.guard.tail import TailHold
 from gateway.upstream.pool import Backend, RawHeaders
 
 
@@ -58,6 +60,13 @@ class Trace:
     continuing: Attempt | None = None
     #: Continuations asked for after release.
     continuations: int = 0
+    #: The latest continuation's outcome is counted already (it degenerated and
+    #: was continued again, or refused): the stream's end does not count it again.
+    continuation_counted: bool = False
+    #: An API continued by token ids (Messages): the prompt's ids as vLLM renders
+    #: them, checked against vLLM's own count beside the first attempt (None inside:
+    #: the check failed, and the answer is not continued).
+    prompt_ids: asyncio.Future[list[int] | None] | None = None
 
     def route(self, backend: Backend) -> None:
         """Hold the in-flight count on ``backend``, which serves the next attempt (a
@@ -66,6 +75,11 @@ class Trace:
             self.unroute()
             backend.in_flight += 1
             self.routed = backend
+
+    def end_prompt_check(self) -> None:
+        """The request is over: a prompt check still running is not needed."""
+        if self.prompt_ids is not None and not self.prompt_ids.done():
+            self.prompt_ids.cancel()
 
     def unroute(self) -> None:
         """Give back the in-flight count the request holds on its backend (once)."""
@@ -90,6 +104,9 @@ class Attempt:
     payload: dict[str, Any] | None = None
     #: Its duration and tokens are counted (``Accounting.count_attempt``, once).
     counted: bool = False
+    #: The rolling hold-back of a stream the guard may continue: it owns what is
+    #: sent from the stream's first byte (``gateway.guard.tail``).
+    tail: TailHold | None = None
 
     def output_text(self, api: ApiAdapter) -> str:
         """What the degenerate choice said (content, else reasoning, else tool args)."""

@@ -486,18 +486,53 @@ def test_a_continuation_split_inside_a_character_reaches_the_client_whole() -> N
     asyncio.run(scenario())
 
 
-def test_a_loop_recognised_at_the_end_is_not_continued() -> None:
-    """A loop is longer than any held end: most of it was sent, so continuing from
-    it would go on with it. Relayed and counted, as before."""
+@pytest.mark.parametrize(
+    ("unit", "times"),
+    [
+        (["the cat sat on the mat. "], 20),  # an n-gram loop, one event a sentence
+        ([" the", " cat", " sat", " on", " the", " mat."], 20),  # token by token
+        (["I", "'m", " sorry", ",", " I", " can", "'t", " help", " with", " that", "."], 20),
+        ([" the"], 40),  # a token loop
+        ([" Hello", "!"], 40),
+    ],
+)
+def test_a_stream_that_loops_after_release_is_continued_from_its_first_copy(
+    unit: list[str], times: int
+) -> None:
+    """The copies after the first are held as they come (they could become a loop);
+    once the detector calls it a loop they are dropped and the answer continued from
+    the end of the first copy, with a fresh salt (issue 39: before, the loop was
+    relayed and counted)."""
 
     async def scenario() -> None:
-        loop = ["the cat sat on the mat. "] * 20
-        script = Script([paced(stream_of("Story:", *loop, "\n"))])
+        loop = unit * times
+        script = Script([paced(stream_of("Story:", *loop, "\n")), paced(stream_of(" The end."))])
         async with guard_with(script, stream=FIRST_TOKEN) as guard:
             body = await relayed(await handle(guard, stream=True))
-            assert content_of(body).startswith("Story:the cat")
+            released = assistant_text(script.received[1])
+            # The client has the first copy (and at most the few characters of the
+            # second that showed before it could be called a repeat), never a loop.
+            assert released.startswith("Story:" + "".join(unit).rstrip()), released
+            assert len(released) <= len("Story:") + len("".join(unit)) + 4, released
+            assert content_of(body) == released + " The end."
+            assert script.received[1]["cache_salt"]
+            assert metric(guard, "vllm_guard_continuations_total", outcome="clean") == 1
+            assert metric(guard, "vllm_guard_degenerate_delivered_total") == 0
+
+    asyncio.run(scenario())
+
+
+def test_legitimate_repetition_is_delayed_at_most_never_dropped() -> None:
+    """Repetition that breaks off goes out whole with the token that breaks it."""
+
+    async def scenario() -> None:
+        pieces = ["No", ",", " no", ",", " no", ",", " no", "!", " Rows:", "\n| a | 1 |",
+                  "\n| a | 1 |", "\n| a | 1 |", "\n| b | 2 |", " Done."]  # fmt: skip
+        script = Script([paced(stream_of(*pieces))])
+        async with guard_with(script, stream=FIRST_TOKEN) as guard:
+            body = await relayed(await handle(guard, stream=True))
+            assert content_of(body) == "".join(pieces)
             assert len(script.received) == 1
-            assert metric(guard, "vllm_guard_degenerate_delivered_total", kind="token_loop") == 1
 
     asyncio.run(scenario())
 
