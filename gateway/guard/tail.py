@@ -67,8 +67,8 @@ class TailHold:
     #: (tokens, without speculative decoding) carried it.
     released_parts: list[str] = field(default_factory=list)
     released_events: int = 0
-    #: The first bytes the client was sent (the stream's opening events: its id),
-    #: and the latest (a Responses stream's sequence number).
+    #: The bytes the client was sent up to its first text (the stream's opening
+    #: events: its id), and the latest (a Responses stream's sequence number).
     first_bytes: bytes = b""
     latest_bytes: bytes = b""
     _held: list[_HeldBatch] = field(default_factory=list)
@@ -128,11 +128,6 @@ class TailHold:
         self._parts_seen = len(choice.content_parts) if choice is not None else 0
         self._events_before = self.released_events - events_before
 
-    def released(self, data: bytes) -> None:
-        """Bytes released by the hold-back before this tail took over."""
-        self._take_text()
-        self._sent([data], len(self._held_text), self._events())
-
     def take(self, forward: list[bytes]) -> list[bytes]:
         """One batch of the stream's events: what may be sent now."""
         if not self.continuable:
@@ -176,10 +171,14 @@ class TailHold:
     def _keep_from(self) -> int:
         """Where in the held text the part that must stay held starts."""
         text = self._held_text
-        keep = unsettled_start(text, self.candidates)
+        recent = self._recent
+        # Judged with the end of what was sent before it: a run or a repetition may
+        # have begun there (then all that is held stays held).
+        window = recent + text if recent else text
+        keep = max(0, unsettled_start(window, self.candidates) - len(recent))
         self._repeating = False
-        if self.max_unit and len(text) + len(self._recent) >= 2 * REPEAT_MIN_OVERLAP:
-            repeated = repeat_start(self._recent + text, self.max_unit) - len(self._recent)
+        if self.max_unit and len(window) >= 2 * REPEAT_MIN_OVERLAP:
+            repeated = repeat_start(window, self.max_unit) - len(recent)
             if repeated < len(text):
                 self._repeating = True
                 keep = min(keep, max(0, repeated))
@@ -203,8 +202,9 @@ class TailHold:
 
     @property
     def _recent_chars(self) -> int:
-        """Released text kept to see a repetition: two units and the overlap."""
-        return 2 * self.max_unit + REPEAT_MIN_OVERLAP
+        """Released text kept to see a run or a repetition that began in it: two loop
+        units and the overlap, or an artifact's length."""
+        return max(2 * self.max_unit + REPEAT_MIN_OVERLAP, 64)
 
     def _events(self) -> int:
         return self._events_before + self.inspector.text_events
@@ -223,6 +223,10 @@ class TailHold:
     def _sent(self, out: list[bytes], text_end: int, events: int) -> None:
         """``out`` goes to the client: with it the held text up to ``text_end``, and
         the stream's text events up to ``events``."""
+        if out and not self.released_parts:
+            # The stream's opening: every event sent up to its first text (a
+            # Responses stream names its response and its message in two of them).
+            self.first_bytes += b"".join(out)
         if text_end:
             part = self._held_text[:text_end]
             self.released_parts.append(part)
@@ -231,6 +235,4 @@ class TailHold:
             self._judged_at = max(0, self._judged_at - text_end)
         self.released_events = events
         if out:
-            if not self.first_bytes:
-                self.first_bytes = out[0]
             self.latest_bytes = out[-1]

@@ -22,6 +22,9 @@ import openai
 import pytest
 from conftest import GatewayFactory, RunningVLLM, openai_client, scraped_metric
 
+from gateway.config import DetectorSettings
+from gateway.detect import Detector
+
 #: A fixed prompt: greedy decoding of the tiny model then gives the same answer on
 #: every run, so the test is deterministic (no probabilistic outcome to bound).
 PROMPT = "continuation test: describe the settings page of the router"
@@ -95,9 +98,20 @@ def _stream_messages(base_url: str, **common: Any) -> tuple[str, list[Any]]:
     return text, events
 
 
-@pytest.mark.parametrize("api", ["chat", "completions", "responses", "messages"])
+@pytest.mark.parametrize(
+    ("api", "stream_interval"),
+    [("chat", None), ("completions", None), ("responses", None), ("messages", None),
+     # vLLM's own packing of several tokens into one event (``stream_interval``, as
+     # MTP does): the '!' arrives in the same event as healthy tokens, and the
+     # released part is counted in tokens, not events (issue 39).
+     ("chat", 4), ("completions", 4)],
+)  # fmt: skip
 def test_a_stream_corrupted_after_release_reaches_the_client_as_one_answer(
-    vllm: RunningVLLM, gateway_for: GatewayFactory, api: str, caplog: pytest.LogCaptureFixture
+    vllm: RunningVLLM,
+    gateway_for: GatewayFactory,
+    api: str,
+    stream_interval: int | None,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     gateway = gateway_for(vllm.url, guard={"stream": STREAM})
     stream = {"chat": _stream_chat, "completions": _stream_completions,
@@ -105,15 +119,20 @@ def test_a_stream_corrupted_after_release_reaches_the_client_as_one_answer(
     client_for = (lambda url: url) if api == "messages" else openai_client
     tag = f"{api}-{uuid.uuid4().hex[:8]}"  # this run's requests in the log
     common = {"model": vllm.model, "max_tokens": MAX_TOKENS, "temperature": 0}
-    healthy, direct = stream(client_for(vllm.url), **common, extra_body={"ignore_eos": True})
+    packed = {} if stream_interval is None else {"stream_interval": stream_interval}
+    healthy, direct = stream(
+        client_for(vllm.url), **common, extra_body={"ignore_eos": True, **packed}
+    )
     xargs = {"vg_poison_after": HEALTHY_TOKENS, "vg_log_prompt": tag}
     with caplog.at_level("INFO", logger="gateway.guard.accounting"):
         text, chunks = stream(
             client_for(gateway.url),
             **common,
-            extra_body={"ignore_eos": True, "vllm_xargs": xargs},
+            extra_body={"ignore_eos": True, "vllm_xargs": xargs, **packed},
             extra_headers={"x-request-id": tag},
         )
+    if stream_interval is not None:  # several tokens an event, as the test means
+        assert len([c for c in direct if c.choices]) < MAX_TOKENS // 2
 
     # One coherent answer: no '!' run, one id, one finish reason, usage of one answer.
     assert "!!!" not in text
@@ -158,6 +177,54 @@ def test_a_stream_corrupted_after_release_reaches_the_client_as_one_answer(
     assert (outcome["outcome"], outcome["attempts"], outcome["continuations"]) == (
         "recovered", 2, 1,
     )  # fmt: skip
+
+
+LOOP_AFTER, LOOP_UNIT, LOOP_MAX_TOKENS = 10, 3, 120
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "responses", "messages"])
+def test_a_stream_that_loops_after_release_reaches_the_client_as_one_answer(
+    vllm: RunningVLLM, gateway_for: GatewayFactory, api: str
+) -> None:
+    """A generation that falls into a loop after a healthy start (the scheduler's
+    ``vg_loop_after``: its last three tokens over and over) is released at its first
+    token, its copies after the first are held as they come, and once the detector
+    calls them a loop they are dropped and the answer continued with a fresh salt:
+    the client gets the healthy start and a clean continuation, never the loop
+    (issue 39: it was relayed and counted). Greedy: deterministic."""
+    gateway = gateway_for(vllm.url)  # the defaults: release auto, after_release continue
+    stream = {"chat": _stream_chat, "completions": _stream_completions,
+              "responses": _stream_responses, "messages": _stream_messages}[api]  # fmt: skip
+    client_for = (lambda url: url) if api == "messages" else openai_client
+    tag = f"loop-{api}-{uuid.uuid4().hex[:8]}"
+    common = {"model": vllm.model, "max_tokens": LOOP_MAX_TOKENS, "temperature": 0}
+    xargs = {"vg_loop_after": LOOP_AFTER, "vg_loop_unit": LOOP_UNIT, "vg_log_prompt": tag}
+    looping, _ = stream(
+        client_for(vllm.url), **common, extra_body={"ignore_eos": True, "vllm_xargs": xargs}
+    )
+    detector = Detector(DetectorSettings())
+    assert detector.text_kind(looping) == "token_loop"  # what reaches a client direct
+    text, _ = stream(
+        client_for(gateway.url), **common,
+        extra_body={"ignore_eos": True, "vllm_xargs": xargs}, extra_headers={"x-request-id": tag},
+    )  # fmt: skip
+    assert detector.text_kind(text) is None, text
+    logged = _prompts_logged(vllm, tag)
+    assert [salted for salted, _ in logged] == [False, False, True]  # direct, gateway, continued
+    first_ids, continued_ids = logged[1][1], logged[2][1]
+    released = httpx.post(
+        vllm.url + "/detokenize",
+        json={"model": vllm.model, "tokens": continued_ids[len(first_ids) :]},
+        timeout=30,
+    ).json()["prompt"]
+    # Continued from the healthy start and at most the first characters of the loop's
+    # second copy: the client never had the loop.
+    assert text.startswith(released)
+    assert looping.startswith(released)
+    assert detector.token_loop(released) is False
+    assert scraped_metric(gateway.url, "vllm_guard_continuations_total", api=api,
+                          outcome="clean") == 1  # fmt: skip
+    assert scraped_metric(gateway.url, "vllm_guard_degenerate_delivered_total") == 0
 
 
 def _assert_one_response(text: str, events: list[Any], direct: list[Any]) -> None:

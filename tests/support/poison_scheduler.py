@@ -50,6 +50,10 @@ stays for the older tests.
 ``"vllm_xargs": {"vg_poison_after": N}`` corrupts an unsalted generation after N
 healthy tokens (``_corrupt_mid_generation``: corruption that starts mid-way).
 
+``"vllm_xargs": {"vg_loop_after": N, "vg_loop_unit": K}`` makes an unsalted
+generation fall into a loop after N healthy tokens: from then on it repeats its last
+K tokens (``_loop_mid_generation``).
+
 ``"vllm_xargs": {"vg_poison_all": "bang"}`` poisons a request whether or not it hit
 the cache: a backend broken for everyone (a bad kernel or weights), where a salted
 retry comes back degenerate too. It models no cache mechanism, only "retries do
@@ -213,6 +217,7 @@ class PoisonScheduler(AsyncScheduler):
     ) -> tuple[list[int], bool]:
         kind = self._kind_of(request)
         new_token_ids = self._corrupt_mid_generation(request, new_token_ids)
+        new_token_ids = self._loop_mid_generation(request, new_token_ids)
         if kind == "bang":
             new_token_ids = [0] * len(new_token_ids)
         elif kind == "eos" and new_token_ids:
@@ -238,6 +243,30 @@ class PoisonScheduler(AsyncScheduler):
             return new_token_ids
         healthy = max(0, int(after) - int(request.num_output_tokens))
         return new_token_ids[:healthy] + [0] * (len(new_token_ids) - healthy)
+
+    def _loop_mid_generation(self, request: Any, new_token_ids: list[int]) -> list[int]:
+        """``"vg_loop_after": N, "vg_loop_unit": K``: an unsalted generation repeats
+        its last K tokens over and over once it has N, whatever the cache.
+
+        It models the loops the field reports beside the ``!`` runs (an n-gram or a
+        token repeated to the length limit after a healthy start). Where it differs:
+        a real loop comes out of the model's corrupt state and need not be exact;
+        here the repeated tokens are rewritten in, exactly, and a salted request is
+        immune (so a salted continuation from before the loop comes back clean)."""
+        extra = getattr(request.sampling_params, "extra_args", None) or {}
+        after = extra.get("vg_loop_after")
+        if after is None or getattr(request, "cache_salt", None) or not new_token_ids:
+            return new_token_ids
+        after, unit = int(after), int(extra.get("vg_loop_unit", 3))
+        so_far = list(request.output_token_ids)
+        out = []
+        for token in new_token_ids:
+            position = len(so_far)
+            if position >= after >= unit:
+                token = so_far[after - unit + (position - after) % unit]
+            so_far.append(token)
+            out.append(token)
+        return out
 
 
 class PoisonWorker(CPUWorker):

@@ -687,3 +687,165 @@ def test_a_continuation_the_backend_refuses_never_sends_the_degenerate_end() -> 
             assert metric(guard, "vllm_guard_upstream_duration_seconds_count") == 2
 
     asyncio.run(scenario())
+
+
+# -- issue 39: a first token that is safe by construction ----------------------------
+
+
+def handle_body(guard: Guard, **more: Any) -> Any:
+    """``handle`` for a chat stream with extra body fields."""
+    from multidict import CIMultiDict
+
+    from gateway.guard.request import parse_guarded
+
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "go"}]}
+    request = parse_guarded("chat", orjson.dumps({**body, **more}))
+    return guard.handle(request, CIMultiDict({"x-request-id": "req-1"}), started=0.0)
+
+
+def test_a_read_that_ends_in_a_bang_run_is_never_released_whole() -> None:
+    """Several events in one read, the last of them the start of a '!' run: the first
+    release sends only what the tail has settled, so the run is never sent. Here the
+    whole read ends unsettled, nothing is released, and the run becomes a whole retry
+    (before: the read went out whole, '!' included, at the first token)."""
+
+    async def scenario() -> None:
+        go_on = asyncio.Event()
+        burst = b"".join(stream_of("The", " capital", " of France is", " !!!!!!", "!!!!!!")[:5])
+        script = Script([
+            answers_then_pauses([burst], stream_of(*BANG_RUN), go_on),
+            answers_stream(stream_of("Paris", " is the capital.")),
+        ])  # fmt: skip
+        async with guard_with(script) as guard:  # the defaults: release auto
+            handling = asyncio.ensure_future(handle(guard, stream=True))
+            done, _ = await asyncio.wait({handling}, timeout=0.3)
+            assert not done  # held: the read ends unsettled
+            go_on.set()
+            body = await relayed(await handling)
+            assert "!" not in content_of(body)
+            assert content_of(body) == "Paris is the capital."
+            assert script.received[1]["cache_salt"]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "signature",
+    ["<unk>", "<pad>", "[PAD]", "[UNK]", "<0x0A>", "<|endoftext|>", "\ufffd", "ss"],
+)
+def test_every_signature_family_is_held_whole_and_continued(signature: str) -> None:
+    """Each special-token family and a run of one letter, after a healthy start, is
+    held from its first character and the answer continued from the healthy text
+    ('[PAD]' was held from its ']' only: '[PAD' reached the client)."""
+
+    async def scenario() -> None:
+        pieces = [" " + signature] * 20 if signature != "ss" else ["ss"] * 200
+        script = Script([
+            paced(stream_of("Open", " the", " settings", " page", *pieces)),
+            answers_stream(stream_of(" and click Save.")),
+        ])  # fmt: skip
+        # A run of one letter is held from its third letter ("pages" is a word).
+        healthy = "Open the settings page" + ("ss" if signature == "ss" else "")
+        async with guard_with(script) as guard:
+            body = await relayed(await handle(guard, stream=True))
+            assert content_of(body) == healthy + " and click Save."
+            assert assistant_text(script.received[1]) == healthy
+            assert metric(guard, "vllm_guard_continuations_total", outcome="clean") == 1
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(
+    "more",
+    [
+        # A client continuing its own message whose content is parts: the
+        # continuation could not append to it.
+        {"continue_final_message": True, "add_generation_prompt": False,
+         "messages": [{"role": "user", "content": "go"},
+                      {"role": "assistant", "content": [{"type": "text", "text": "Open"}]}]},
+        {"response_format": {"type": "json_object"}},  # structured output
+        {"echo": True},
+        # Over LARGE_BODY: only partly decoded, so fields that forbid a continuation
+        # could hide in it: no plan.
+        {"messages": [{"role": "user", "content": "x" * (600 * 1024)}]},
+    ],
+)  # fmt: skip
+def test_a_request_with_no_continuation_plan_is_held_and_retried_not_released(
+    more: dict[str, Any],
+) -> None:
+    """Released at the first token, then refused: these requests were released at
+    once, and when they turned the continuation was refused and the corruption
+    delivered. With no plan they are held as ``adaptive`` holds them, and the
+    corruption is retried whole."""
+
+    async def scenario() -> None:
+        script = Script([
+            paced(stream_of("Open", *BANG_RUN)),
+            answers_stream(stream_of("Open the settings page and click Save.")),
+        ])  # fmt: skip
+        async with guard_with(script) as guard:
+            body = await relayed(await handle_body(guard, **more))
+            assert "!" not in content_of(body)
+            assert len(script.received) == 2
+            assert "continue_final_message" not in script.received[1] or more.get(
+                "continue_final_message"
+            )
+            assert metric(guard, "vllm_guard_degenerate_delivered_total") == 0
+            assert metric(guard, "vllm_guard_continuations_total") == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_plan_is_what_the_continuation_accepts() -> None:
+    """``can_continue`` (decided before release) agrees with ``continuation`` (asked
+    after the corruption) on every API, for the requests each refuses."""
+    bodies = [
+        ("completions", {"prompt": [1, 2, 3]}),
+        ("completions", {"prompt": ["a", "b"]}),
+        ("completions", {"prompt": "go"}),
+        ("chat", {"messages": []}),
+        ("chat", {"messages": USER}),
+        ("chat", {"messages": [*USER, {"role": "assistant", "content": [{"type": "text"}]}],
+                  "continue_final_message": True}),
+        ("responses", {"store": False, "input": {"role": "user"}}),
+        ("responses", {"store": False, "input": "go"}),
+        ("messages", {"messages": USER, "kv_transfer_params": "x"}),
+        ("messages", {"messages": USER}),
+    ]  # fmt: skip
+    for api, body in bodies:
+        adapter = BY_NAME[api]
+        continued = adapter.continuation(body, "Open", 1, [1, 2])
+        assert adapter.can_continue(body) == (continued is not None), (api, body)
+
+
+def test_a_continuation_teaches_the_salt_memory() -> None:
+    """After a continuation recovered an answer, the conversation's next turn starts
+    on the salt that recovered it, as after a whole retry (before: back into the
+    poisoned cache)."""
+
+    async def scenario() -> None:
+        script = Script([
+            paced(stream_of("Open", " the", *BANG_RUN)),
+            answers_stream(stream_of(" settings page.")),
+            answers_stream(stream_of("Next turn.")),
+        ])  # fmt: skip
+        async with guard_with(script) as guard:
+            await relayed(await handle(guard, stream=True))
+            await relayed(await handle(guard, stream=True))
+            continued_salt = script.received[1]["cache_salt"]
+            assert script.received[2].get("cache_salt") == continued_salt
+
+    asyncio.run(scenario())
+
+
+def test_with_holdback_zero_nothing_is_held_or_continued() -> None:
+    """``holdback_chars: 0`` means inspect and count only, continuation included."""
+
+    async def scenario() -> None:
+        script = Script([paced(stream_of("Open", *BANG_RUN))])
+        async with guard_with(script, stream={"holdback_chars": 0}) as guard:
+            body = await relayed(await handle(guard, stream=True))
+            assert content_of(body) == "Open" + "".join(BANG_RUN)
+            assert len(script.received) == 1
+
+    asyncio.run(scenario())
