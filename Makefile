@@ -7,7 +7,7 @@ VLLM_VENV ?= $(HOME)/.cache/vllm-guard/vllm-venv
 CONFIG ?= config/vllm-guard.yaml
 export VLLM_VENV
 
-.PHONY: setup run test lint unit docs vllm prometheus helm actionlint tiny-vllm demo bench bench-apis bench-release bench-proxy soak clean
+.PHONY: setup run test lint unit docs vllm prometheus helm actionlint tiny-vllm demo bench bench-apis bench-release bench-families bench-proxy soak clean
 
 $(BIN)/vllm-guard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +79,9 @@ bench-apis: setup vllm ## every guarded API: corrupt delivered direct vs gateway
 
 bench-release: setup vllm ## release policies (auto vs adaptive): corpus recall, vLLM bench serve direct vs gateway, unpoisoned, poisoned and poisoned mid-stream
 	$(BIN)/python tests/perf/bench_release.py
+
+bench-families: setup ## recall per signature family after a healthy start (paced and burst reads), adaptive vs auto, and the legitimate corpus's false positives
+	$(BIN)/python tests/perf/bench_families.py
 
 LITELLM_VENV ?= $(HOME)/.cache/vllm-guard/litellm-venv
 bench-proxy: setup ## the gateway's own cost vs. nginx and LiteLLM, against a fast stub

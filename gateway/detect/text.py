@@ -270,8 +270,9 @@ def unsettled_start(text: str, candidates: frozenset[str]) -> int:
         position = end - 1
         while position > floor and (text[position - 1] == last or text[position - 1].isspace()):
             position -= 1
-        run = end - position - sum(c.isspace() for c in text[position:end])
-        if last in candidates or run >= LETTER_RUN_HELD:
+        if last in candidates or (
+            end - position >= LETTER_RUN_HELD and text.count(last, position, end) >= LETTER_RUN_HELD
+        ):
             start = position
     if last in ">]\ufffd" or "<" in text[-48:] or "[" in text[-8:]:
         match = _ARTIFACTS_AT_END.search(text, floor, end)
@@ -309,12 +310,17 @@ def repeat_start(text: str, max_unit: int) -> int:
     best = n
     while at >= 0:
         period = n - overlap - at
-        if period and _loop_unit_counts(text[n - period :]):
-            # Extend the periodic end backwards: where does the repetition begin?
-            begin = n - overlap - period
-            while begin > 0 and text[begin - 1] == text[begin - 1 + period]:
-                begin -= 1
-            best = min(best, begin + period)
+        # Extend the periodic end backwards: where does the repetition begin?
+        begin, step = n - overlap - period, 16  # in halving steps: slices, not chars
+        while step:
+            while (
+                begin >= step
+                and text[begin - step : begin] == text[begin - step + period : begin + period]
+            ):
+                begin -= step
+            step //= 2
+        if begin + period < best and _loop_unit_counts(text[n - period :]):
+            best = begin + period
         at = text.rfind(ending, lowest, at + overlap - 1) if at > lowest else -1
     return best
 
@@ -377,12 +383,14 @@ def ends_in_loop(text: str, min_repeats: int, max_unit: int) -> bool:
     )
 
 
+_LETTER = re.compile(r"[^\W\d_]")
+
+
 @lru_cache(maxsize=1024)
 def _loop_unit_counts(unit: str) -> bool:
     # A unit with no letter ("0, ", "|---") or a single distinct character ("zzz",
     # "AAAA" of base64) is left to punct_run or treated as legitimate data.
-    letters = any(c.isalpha() for c in unit)
-    return letters and len(set(unit.replace(" ", ""))) >= 2
+    return _LETTER.search(unit) is not None and len(set(unit.replace(" ", ""))) >= 2
 
 
 def repeats_itself(text: str, max_unit: int) -> bool:
