@@ -310,17 +310,18 @@ def repeat_start(text: str, max_unit: int) -> int:
     best = n
     while at >= 0:
         period = n - overlap - at
-        # Extend the periodic end backwards: where does the repetition begin?
-        begin, step = n - overlap - period, 16  # in halving steps: slices, not chars
-        while step:
-            while (
-                begin >= step
-                and text[begin - step : begin] == text[begin - step + period : begin + period]
-            ):
-                begin -= step
-            step //= 2
-        if begin + period < best and _loop_unit_counts(text[n - period :]):
-            best = begin + period
+        if _loop_unit_counts(text[n - period :]):
+            # Extend the periodic end backwards, in halving steps (slices, not
+            # characters): where does the repetition begin?
+            begin, step = n - overlap - period, 256
+            while step:
+                while (
+                    begin >= step
+                    and text[begin - step : begin] == text[begin - step + period : begin + period]
+                ):
+                    begin -= step
+                step //= 2
+            best = min(best, begin + period)
         at = text.rfind(ending, lowest, at + overlap - 1) if at > lowest else -1
     return best
 

@@ -928,8 +928,12 @@ class Guard:
         ids; None unless vLLM's own count for the request agrees (the gateway renders
         a conversation the way vLLM converts it; a count that differs says it did
         not, and the answer is not continued)."""
-        ids = await backend.tokenize(rendered.tokenize, headers)
-        counted = await backend.ask_json(rendered.count_path, rendered.count_body, headers)
+        try:
+            ids = await backend.tokenize(rendered.tokenize, headers)
+            counted = await backend.ask_json(rendered.count_path, rendered.count_body, headers)
+        except Exception:  # a check beside the attempt must never fail the request
+            log.warning("the rendered prompt check failed; not continuing", exc_info=True)
+            return None
         expected = counted.get("input_tokens") if counted is not None else None
         if ids is None or expected != len(ids):
             log.info(

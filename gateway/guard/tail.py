@@ -27,7 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.detect import DegenerateKind, StreamInspector
-from gateway.detect.text import REPEAT_MIN_OVERLAP, repeat_start, unsettled_start
+from gateway.detect.text import (
+    LETTER_RUN_HELD,
+    REPEAT_MIN_OVERLAP,
+    repeat_start,
+    unsettled_start,
+)
 
 #: The signatures a held end holds whole, from their first character: a run of one
 #: punctuation character or of one letter, tokenizer artifacts, a loop (its copies
@@ -35,6 +40,10 @@ from gateway.detect.text import REPEAT_MIN_OVERLAP, repeat_start, unsettled_star
 CONTINUED_KINDS = frozenset({
     DegenerateKind.PUNCT_RUN, DegenerateKind.SPECIAL_TOKENS,
     DegenerateKind.LETTER_RUN, DegenerateKind.TOKEN_LOOP,
+})  # fmt: skip
+#: The kinds ``signature`` reports: what a held end that grew can become.
+SIGNATURES_OF_HELD_TEXT = frozenset({
+    DegenerateKind.TOKEN_LOOP, DegenerateKind.LETTER_RUN, DegenerateKind.SPECIAL_TOKENS,
 })  # fmt: skip
 #: Held text is judged by the detectors each time it has grown by this many
 #: characters (a loop or a letter run is recognised while it is all held).
@@ -103,7 +112,11 @@ class TailHold:
         the answer continued. A loop only when its copies are what is held."""
         if not (self.continuable and self.holding and kind in CONTINUED_KINDS):
             return False
-        return kind is not DegenerateKind.TOKEN_LOOP or self._repeating
+        if kind is DegenerateKind.TOKEN_LOOP:
+            return self._repeating
+        if kind is DegenerateKind.LETTER_RUN:  # the run, not a whitespace end, is held
+            return len(self._held_text.strip()) >= LETTER_RUN_HELD
+        return True
 
     def signature(self) -> DegenerateKind | None:
         """The kind of signature the held end has become, judged on the whole answer
@@ -118,7 +131,11 @@ class TailHold:
         if choice is None:
             return None
         kind = self.inspector.detector.text_kind("".join(choice.content_parts), complete=False)
-        return kind if kind is not None and self.holds(kind) else None
+        # A run of punctuation is the inspector's own (partial_verdict); here only
+        # what the held end itself can be, never a verdict on text already sent.
+        if kind not in SIGNATURES_OF_HELD_TEXT or not self._held_text.strip():
+            return None
+        return kind if self.holds(kind) else None
 
     def follow(self, inspector: StreamInspector, events_before: int) -> None:
         """A continuation's inspector, fed the released text already (``events_before``
@@ -179,7 +196,9 @@ class TailHold:
         self._repeating = False
         if self.max_unit and len(window) >= 2 * REPEAT_MIN_OVERLAP:
             repeated = repeat_start(window, self.max_unit) - len(recent)
-            if repeated < len(text):
+            # Held as a repetition only while its second copy is held (at most the
+            # overlap of it sent): copies already sent cannot be taken back.
+            if -REPEAT_MIN_OVERLAP <= repeated < len(text):
                 self._repeating = True
                 keep = min(keep, max(0, repeated))
         return keep
