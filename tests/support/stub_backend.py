@@ -164,8 +164,11 @@ def build_app(state: StubState) -> Starlette:
         try:
             yield chunk("", role=True)
             if scenario == "flood":  # 8 MB as fast as the stub can write it
+                # Numbered phrases: 36 exact copies of one would be a loop by the
+                # detector's own definition (and is now held and continued as one).
+                text = "".join(f"lorem{j} ipsum dolor sit amet " for j in range(36))
                 for i in range(8000):
-                    yield chunk(f"{i:06d} " + "lorem ipsum dolor sit amet " * 36)
+                    yield chunk(f"{i:06d} " + text)
             if scenario == "stall-early":  # silent after its first event, headers sent
                 await asyncio.sleep(3600)
             if scenario == "sse-garbage":
