@@ -233,8 +233,9 @@ class Detector:
         return CLEAN
 
 
-#: Characters a leaked tokenizer artifact (ARTIFACT) can start with.
+#: Characters a leaked tokenizer artifact (ARTIFACT) can start and end with.
 ARTIFACT_STARTS = frozenset("<[\ufffd")
+ARTIFACT_ENDS = frozenset(">]\ufffd")
 
 
 #: Tokenizer artifacts ending a text, or the start of one still arriving ("<unk><un",
@@ -274,7 +275,7 @@ def unsettled_start(text: str, candidates: frozenset[str]) -> int:
             end - position >= LETTER_RUN_HELD and text.count(last, position, end) >= LETTER_RUN_HELD
         ):
             start = position
-    if last in ">]\ufffd" or "<" in text[-48:] or "[" in text[-8:]:
+    if last in ARTIFACT_ENDS or "<" in text[-48:] or "[" in text[-8:]:
         match = _ARTIFACTS_AT_END.search(text, floor, end)
         if match is not None:
             start = min(start, match.start())

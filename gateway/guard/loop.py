@@ -11,6 +11,7 @@ discarded attempt has sent nothing. Only then does the response start.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -584,32 +585,25 @@ class Guard:
             state.held.extend(forward if tail is None else tail.take(forward))
             if state.ended():
                 break
-            decision = hold_decision(
-                inspector,
-                min_release,
-                request.n,
-                ceiling,
-                full=held_bytes >= MAX_HELD_BYTES,
-                first_token=first_token,
-                content_only=tail is not None,
-            )
-            if decision is None:
-                continue
-            if decision.degenerate or tail is None:
+            decide = functools.partial(
+                hold_decision, inspector, min_release, request.n, ceiling,
+                full=held_bytes >= MAX_HELD_BYTES, content_only=tail is not None,
+            )  # fmt: skip
+            decision = decide(first_token=first_token)
+            if decision is not None and tail is not None and not decision.degenerate:
+                if not tail.continuable or not await self._plan_holds(trace):
+                    # Not continuable after all: released as adaptive releases it.
+                    state.held.extend(tail.release_all())
+                    attempt.tail = tail = None
+                    first_token = policy is ReleasePolicy.FIRST_TOKEN
+                    decision = decide(first_token=first_token, content_only=False)
+                elif not tail.has_released_text:
+                    # Everything read so far is the tail's unsettled end ("The
+                    # capital is !!!!" in one read): held until settled, or judged.
+                    continue
+            if decision is not None:
                 attempt.verdict = decision
                 return
-            if not tail.continuable or not await self._plan_holds(trace):
-                # Not continuable after all: released as adaptive releases it.
-                state.held.extend(tail.release_all())
-                tail.continuable = False
-                attempt.tail = tail = None
-                first_token = policy is ReleasePolicy.FIRST_TOKEN
-                continue
-            if tail.has_released_text:
-                attempt.verdict = decision
-                return
-            # Everything read so far is the tail's unsettled end ("The capital is
-            # !!!!" in one read): held until settled, or judged as the stream goes.
         if tail is not None:
             state.held.extend(tail.release_all())  # the whole answer is judged below
         attempt.usage = state.usage

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from gateway.detect import DegenerateKind, StreamInspector
 from gateway.detect.text import (
+    ARTIFACT_ENDS,
     LETTER_RUN_HELD,
     REPEAT_MIN_OVERLAP,
     repeat_start,
@@ -119,23 +120,50 @@ class TailHold:
         return True
 
     def signature(self) -> DegenerateKind | None:
-        """The kind of signature the held end has become, judged on the whole answer
-        (``complete=False``, as the hold-back's ceiling judges it) each time the held
-        text grew by ``JUDGE_EVERY_CHARS``; None while it has not. Held text is
-        rare and short: a healthy stream pays nothing here."""
-        held = len(self._held_text)
-        if held - self._judged_at < JUDGE_EVERY_CHARS or not self.continuable:
+        """The kind of signature the held end has become, judged each time the held
+        text grew by ``JUDGE_EVERY_CHARS``; None while it has not (and never a
+        verdict on text already sent: a run of punctuation is the inspector's own).
+
+        A held end that ends as a letter run or an artifact can is judged on the
+        whole answer (``complete=False``, as the hold-back's ceiling judges it). A
+        held repetition is first judged on the end of the answer only
+        (``token_loop`` looks at its last ``min_repeats`` units, so the verdict is
+        the whole answer's), and once that is a loop, on the whole answer, which
+        names the kind. A long stream held a read at a time (text that repeats
+        phrase by phrase) so costs a look at its end, not a scan of all of it."""
+        held = self._held_text
+        if len(held) - self._judged_at < JUDGE_EVERY_CHARS or not self.continuable:
             return None
-        self._judged_at = held
+        self._judged_at = len(held)
+        visible = held.rstrip()
+        if not visible:
+            return None
+        detector = self.inspector.detector
+        if not self._ends_in_run(visible):
+            if not self._repeating:
+                return None
+            settings = detector.settings
+            span = settings.token_loop_min_repeats * settings.token_loop_max_unit_chars + 1
+            span += len(held) - len(visible)  # the trailing whitespace token_loop strips
+            if not detector.token_loop((self._recent + held)[-span:]):
+                return None
         choice = self.inspector.choices.get(0)
         if choice is None:
             return None
-        kind = self.inspector.detector.text_kind("".join(choice.content_parts), complete=False)
-        # A run of punctuation is the inspector's own (partial_verdict); here only
-        # what the held end itself can be, never a verdict on text already sent.
-        if kind not in SIGNATURES_OF_HELD_TEXT or not self._held_text.strip():
+        kind = detector.text_kind("".join(choice.content_parts), complete=False)
+        if kind not in SIGNATURES_OF_HELD_TEXT:
             return None
         return kind if self.holds(kind) else None
+
+    @staticmethod
+    def _ends_in_run(visible: str) -> bool:
+        """The held end could be a run of artifacts or of one letter (what
+        ``unsettled_start`` holds), judged on the whole answer."""
+        last = visible[-1]
+        if last in ARTIFACT_ENDS:
+            return True
+        end = visible[-2 * LETTER_RUN_HELD :].replace(" ", "")[-LETTER_RUN_HELD:]
+        return last.isalpha() and end == last * LETTER_RUN_HELD
 
     def follow(self, inspector: StreamInspector, events_before: int) -> None:
         """A continuation's inspector, fed the released text already (``events_before``

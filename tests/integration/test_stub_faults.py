@@ -183,9 +183,8 @@ def test_a_client_that_reads_slowly_gets_every_event_in_order(
     """8 MB of events while the client reads nothing for a second: the gateway's
     socket buffer fills, the server pauses writing, and chunks that were written
     directly (``ServerHooks.write_body``) and those sent after the pause through
-    ``send()`` (which waits for the drain) arrive complete and in order. The relay's
-    writes are what is tested: the tail's hold is off (``after_release: pass``)."""
-    gateway = gateway_for(stub.url, guard={"stream": {"after_release": "pass"}})
+    ``send()`` (which waits for the drain) arrive complete and in order."""
+    gateway = gateway_for(stub.url)
     with httpx.stream(
         "POST", gateway.url + "/v1/chat/completions", json={**BODY, "stream": True},
         headers={"x-stub-scenario": "flood"}, timeout=60,
