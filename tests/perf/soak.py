@@ -1,7 +1,7 @@
 """Soak: 10,000 requests at concurrency 32 through the gateway, streaming and not,
 against a real (tiny) vLLM with its prefix cache poisoned.
 
-    .venv/bin/python tests/perf/soak.py [--requests 10000] [--concurrency 32]
+    .venv/bin/python tests/perf/soak.py [--requests 10000] [--concurrency 32] [--mixed]
 
 Checks and prints: every request answered exactly once, degenerate answers
 delivered vs. what the metrics count as delivered after the guard gave up,
@@ -31,6 +31,9 @@ from bench_gateway import ARTIFACTS, GatewayProcess  # noqa: E402
 from support.servers import MODEL_NAME, VLLMServer, ensure_model  # noqa: E402
 from support.workload import WORDS, is_corrupt  # noqa: E402
 
+from gateway.config import DetectorSettings  # noqa: E402
+from gateway.detect import Detector  # noqa: E402
+
 GATEWAY_ERROR_TYPES = {
     "upstream_error", "degenerate_response", "service_unavailable", "timeout", "internal_error",
 }  # fmt: skip
@@ -43,8 +46,41 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
+#: --mixed (issue 39): tokens before a mid-stream '!' run or a loop of the last
+#: LOOP_UNIT tokens (the scheduler's vg_poison_after / vg_loop_after), answers of
+#: MIXED_MAX_TOKENS (room for the detector's 16 copies), and every other stream
+#: packed LOOP_UNIT + 1 tokens an event (vLLM's stream_interval: the burst).
+MIXED_HEALTHY, LOOP_UNIT, MIXED_MAX_TOKENS = 8, 3, 80
+LOOP_DETECTOR = Detector(DetectorSettings())
+
+
+def delivered_corrupt(text: str) -> bool:
+    """Empty, a run of '!' (what the scheduler's poison produces), or a loop."""
+    return is_corrupt(text) or LOOP_DETECTOR.token_loop(text)
+
+
+def mixed_poison(i: int, stream: bool) -> tuple[dict[str, object], dict[str, object]]:
+    """Request i's poison (vllm_xargs) and extra fields in the --mixed soak: a quarter
+    turn to '!' after a healthy start, a quarter fall into a loop, half are poisoned
+    at the 5% cache-hit rate; half the streams arrive several tokens an event."""
+    kind = i % 4
+    if kind == 0:
+        poison: dict[str, object] = {"vg_poison_after": MIXED_HEALTHY}
+    elif kind == 2:
+        poison = {"vg_loop_after": MIXED_HEALTHY, "vg_loop_unit": LOOP_UNIT}
+    else:
+        poison = {"vg_poison_rate": 0.05}
+    burst = {"stream_interval": LOOP_UNIT + 1} if stream and i % 8 >= 4 else {}
+    return poison, burst
+
+
 async def soak(
-    url: str, requests: int, concurrency: int, pid: int, poison_after: int = 0
+    url: str,
+    requests: int,
+    concurrency: int,
+    pid: int,
+    poison_after: int = 0,
+    mixed: bool = False,
 ) -> dict[str, object]:
     rng = random.Random(7)
     systems = [" ".join(rng.choice(WORDS) for _ in range(300)) for _ in range(120)]
@@ -63,14 +99,18 @@ async def soak(
         # (the mid-generation model), on 32-token answers: streams the gateway has
         # released by then must be continued, whole answers retried.
         poison: dict[str, object] = {"vg_poison_rate": 0.05}
+        extra: dict[str, object] = {}
         if poison_after and i % 4 < 2:  # half of them streamed
             poison = {"vg_poison_after": poison_after}
+        if mixed:
+            poison, extra = mixed_poison(i, stream)
+        max_tokens = MIXED_MAX_TOKENS if mixed else 32 if poison_after else 8
         body = {
-            "model": MODEL_NAME, "max_tokens": 32 if poison_after else 8, "temperature": 0,
-            "stream": stream, "ignore_eos": bool(poison_after),
+            "model": MODEL_NAME, "max_tokens": max_tokens, "temperature": 0,
+            "stream": stream, "ignore_eos": bool(poison_after or mixed),
             "messages": [{"role": "system", "content": systems[i % len(systems)]},
                          {"role": "user", "content": f"step {i // len(systems)}"}],
-            "vllm_xargs": poison,
+            "vllm_xargs": poison, **extra,
         }  # fmt: skip
         async with session.post(url + "/v1/chat/completions", json=body) as response:
             raw = await response.read()
@@ -90,7 +130,7 @@ async def soak(
                 )
             else:
                 text = orjson.loads(raw)["choices"][0]["message"]["content"] or ""
-            corrupt_delivered += is_corrupt(text)
+            corrupt_delivered += delivered_corrupt(text)
 
     async def worker(session: aiohttp.ClientSession) -> None:
         while queue:
@@ -122,6 +162,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--poison-after", type=int, default=0, help="mid-stream poison (tokens)")
+    parser.add_argument(
+        "--mixed", action="store_true",
+        help="'!' runs and loops after a healthy start, paced and packed streams (issue 39)",
+    )  # fmt: skip
     args = parser.parse_args()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     server = None
@@ -141,6 +185,7 @@ def main() -> None:
                     args.concurrency,
                     gateway.process.pid,
                     args.poison_after,
+                    args.mixed,
                 )
             )
             delivered_metric = gateway.metric_sum("vllm_guard_degenerate_delivered_total")
