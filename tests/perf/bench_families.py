@@ -71,9 +71,14 @@ def chunk(text: str, finish: str | None = None) -> dict[str, object]:
 
 
 def streamed(
-    detector: Detector, reads: list[list[str]], policy: str, held_reads: Counter[str]
+    detector: Detector,
+    reads: list[list[str]],
+    policy: str,
+    held_reads: Counter[str],
+    finish: str = "stop",
 ) -> str:
-    """What the guard does with this stream: the relay's own steps, one read a batch."""
+    """What the guard does with this stream: the relay's own steps, one read a batch
+    ("retried", "continued", "delivered" or "clean")."""
     inspector = StreamInspector(detector)
     inspector.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
     settings = detector.settings
@@ -84,7 +89,7 @@ def streamed(
         for piece in read or []:
             inspector.feed(chunk(piece))
         if last:
-            inspector.feed(chunk("", "stop"))
+            inspector.feed(chunk("", finish))
         tail.take([b"x"])
         held_reads["reads"] += 1
         held_reads["held"] += tail.holding

@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ sys.path.insert(0, str(ROOT / "tests" / "perf"))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from bench_families import streamed  # noqa: E402
 from bench_gateway import GatewayProcess  # noqa: E402
 from bench_holdback import against_vllm, delta, finish_of, load, pieces  # noqa: E402
 from support.servers import MODEL_NAME, ensure_model, vllm_python  # noqa: E402
@@ -45,7 +47,6 @@ from support.workload import is_corrupt  # noqa: E402
 from gateway.config import DetectorSettings  # noqa: E402
 from gateway.detect import DegenerateKind, Detector, StreamInspector  # noqa: E402
 from gateway.guard.release import hold_decision  # noqa: E402
-from gateway.guard.tail import TailHold  # noqa: E402
 
 MIN_RELEASE, CEILING = 20, 1024
 POLICIES = ("adaptive", "first_token")
@@ -128,33 +129,12 @@ def after_release_outcome(
 ) -> str:
     """What the guard does with an output that turns degenerate after a healthy start:
     "before release" (retried whole), "continued" (the degenerate end was still held:
-    dropped and continued), "delivered" (seen after it was sent: counted) or "missed"."""
-    inspector = StreamInspector(detector)
-    inspector.feed({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-    tail: TailHold | None = None
-    chunks = pieces(entry["text"] or "", rng)
-    for number, piece in enumerate([*chunks, None]):
-        last = piece is None
-        inspector.feed(delta(entry, "", finish_of(entry)) if last else delta(entry, piece))
-        if tail is None:
-            decision = hold_decision(
-                inspector, MIN_RELEASE, 1, CEILING, first_token=not adaptive, content_only=True
-            )
-            if decision is not None and decision.kind is not None:
-                return "before release"
-            if decision is None and not last:
-                continue
-            if last:
-                kind = inspector.final_verdict().kind
-                return "missed" if kind is None else "before release"
-            tail = TailHold(detector.candidates, inspector)
-            tail.released(b"x" * (number + 1))
-            continue
-        tail.take([b"x"])
-        verdict = inspector.final_verdict() if last else inspector.partial_verdict()
-        if verdict.kind is not None:
-            return "continued" if tail.holds(verdict.kind) else "delivered"
-    return "missed"
+    dropped and continued), "delivered" (seen after it was sent: counted) or "missed".
+    One piece a read, through the relay's own steps (``bench_families.streamed``)."""
+    reads = [[piece] for piece in pieces(entry["text"] or "", rng)]
+    policy = "adaptive" if adaptive else "auto"
+    outcome = streamed(detector, reads, policy, Counter(), finish_of(entry))
+    return {"retried": "before release", "clean": "missed"}.get(outcome, outcome)
 
 
 def after_release_section(rounds: int) -> list[str]:

@@ -63,14 +63,15 @@ def mixed_poison(i: int, stream: bool) -> tuple[dict[str, object], dict[str, obj
     """Request i's poison (vllm_xargs) and extra fields in the --mixed soak: a quarter
     turn to '!' after a healthy start, a quarter fall into a loop, half are poisoned
     at the 5% cache-hit rate; half the streams arrive several tokens an event."""
-    kind = i % 4
+    pair = i // 2  # request i is streamed when odd: each kind gets both
+    kind = pair % 4
     if kind == 0:
         poison: dict[str, object] = {"vg_poison_after": MIXED_HEALTHY}
     elif kind == 2:
         poison = {"vg_loop_after": MIXED_HEALTHY, "vg_loop_unit": LOOP_UNIT}
     else:
         poison = {"vg_poison_rate": 0.05}
-    burst = {"stream_interval": LOOP_UNIT + 1} if stream and i % 8 >= 4 else {}
+    burst = {"stream_interval": LOOP_UNIT + 1} if stream and pair % 8 >= 4 else {}
     return poison, burst
 
 
