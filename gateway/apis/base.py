@@ -125,6 +125,12 @@ class EventSplice(Protocol):
         """One of the continuation's events as the client gets it (None: dropped)."""
         ...
 
+    def error(self, raw: bytes) -> bytes:
+        """The gateway's in-band error ending the continued stream (the stream's
+        ``error_event``), numbered on from what the client has where the API
+        numbers its events."""
+        ...
+
 
 class ApiAdapter(ABC):
     """One generation API. Subclasses are stateless singletons (``gateway.apis.ADAPTERS``)."""

@@ -227,6 +227,9 @@ class MessagesSplice(EventSplice):
             self._one_answers_usage(usage)
         return event_bytes("message_delta", payload)
 
+    def error(self, raw: bytes) -> bytes:
+        return raw  # Messages streams do not number their events
+
     def _one_answers_usage(self, usage: dict[str, Any]) -> None:
         uncached, output = integer(usage.get("input_tokens")), integer(usage.get("output_tokens"))
         if uncached is None or output is None:

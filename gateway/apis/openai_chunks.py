@@ -152,6 +152,9 @@ class ChunkSplice:
         )
         return b"data: " + orjson.dumps(payload) + b"\n\n"
 
+    def error(self, raw: bytes) -> bytes:
+        return raw  # chunk streams do not number their events
+
 
 def _says_nothing(choice: object) -> bool:
     """A chunk choice with no text, no finish and no logprobs (the role chunk's rest)."""

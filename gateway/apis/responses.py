@@ -247,6 +247,10 @@ class ResponsesSplice(EventSplice):
             self.next_sequence += 1
         return event_bytes(str(kind), payload)
 
+    def error(self, raw: bytes) -> bytes:
+        """Numbered on from the client's last event, as every spliced event is."""
+        return self.event(raw) or raw
+
     def _rewrite_item(self, item: object) -> None:
         if isinstance(item, dict) and item.get("type") == "message":
             item["id"] = self.item_id

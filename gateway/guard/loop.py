@@ -773,7 +773,8 @@ class Guard:
             # What the tail still holds is healthy text (a degenerate end is dropped
             # before it is continued): the client gets it before the error.
             held = b"".join(tail.release_all()) if tail is not None else b""
-            return last + held + state.error_event(exc)
+            error = state.error_event(exc)
+            return last + held + (error if splice is None else splice.error(error))
         except asyncio.CancelledError:
             if trace.client_gone:
                 raise  # counted as a disconnect; the verdict stands for what was sent
@@ -782,7 +783,8 @@ class Guard:
             verdict = "error"
             shutting_down = ShuttingDown("the gateway is shutting down")
             held = b"".join(tail.release_all()) if tail is not None else b""
-            await send(last + held + state.error_event(shutting_down))
+            error = state.error_event(shutting_down)
+            await send(last + held + (error if splice is None else splice.error(error)))
             raise
         finally:
             if not state.done:  # a complete stream is read to its end, then closed

@@ -849,3 +849,49 @@ def test_with_holdback_zero_nothing_is_held_or_continued() -> None:
             assert len(script.received) == 1
 
     asyncio.run(scenario())
+
+
+def responses_stream(pieces: list[str], *, response_id: str, first: int = 0) -> list[bytes]:
+    """A Responses stream's opening events and a text delta per piece (no end)."""
+    opening = [
+        ("response.created", {"response": {"id": response_id, "created_at": 1, "output": []}}),
+        ("response.output_item.added", {"output_index": 0, "item": {"id": "msg_" + response_id,
+                                        "type": "message", "content": []}}),
+    ]  # fmt: skip
+    deltas = [("response.output_text.delta", {"item_id": "msg_" + response_id, "delta": piece})
+              for piece in pieces]  # fmt: skip
+    return [
+        responses_event(kind, sequence_number=first + number, **fields)
+        for number, (kind, fields) in enumerate([*opening, *deltas])
+    ]
+
+
+def test_an_error_after_a_responses_continuation_keeps_the_clients_numbering() -> None:
+    """A continued Responses stream that breaks ends with the gateway's error event
+    numbered on from the client's last event (it took the continuation's own
+    backend numbering, which starts again at 0: the numbers went backwards)."""
+
+    async def scenario() -> None:
+        from multidict import CIMultiDict
+
+        from gateway.guard.request import parse_guarded
+
+        script = Script([
+            paced(responses_stream(["Open", " the", " door", *BANG_RUN], response_id="a")),
+            breaks_after(responses_stream([" now", " please"], response_id="b")),
+        ])  # fmt: skip
+        body = {"model": "m", "stream": True, "store": False, "input": "go"}
+        request = parse_guarded("responses", orjson.dumps(body))
+        async with guard_with(script) as guard:
+            headers = CIMultiDict({"x-request-id": "req-1"})
+            answer = await guard.handle(request, headers, started=0.0)
+            sent = await relayed(answer)
+            events = [
+                orjson.loads(line[6:]) for line in sent.split(b"\n") if line.startswith(b"data: ")
+            ]
+            assert len(script.received) == 2  # continued
+            numbers = [e["sequence_number"] for e in events]
+            assert events[-1]["type"] == "error"
+            assert numbers == list(range(len(events)))
+
+    asyncio.run(scenario())

@@ -113,6 +113,7 @@ async def guard_with(
 ) -> AsyncIterator[Guard]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", script.handle)
+    app.router.add_post("/v1/responses", script.handle)
     app.router.add_get("/health", script.health)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
