@@ -813,11 +813,13 @@ class Guard:
         continued by token ids, its prompt check starts now, beside the attempt."""
         request = trace.request
         rendered = request.api.rendered_prompt(request.body)
-        if rendered is not None and trace.prompt_ids is None and trace.routed is not None:
+        backend = trace.routed
+        if rendered is not None and backend is not None and trace.needs_prompt_check(backend):
             headers = trace.upstream_headers
             assert headers is not None
-            trace.prompt_ids = asyncio.ensure_future(
-                self._rendered_prompt_ids(trace.routed, rendered, headers)
+            trace.start_prompt_check(
+                backend,
+                asyncio.ensure_future(self._rendered_prompt_ids(backend, rendered, headers)),
             )
         settings = inspector.detector.settings
         max_unit = settings.token_loop_max_unit_chars if settings.token_loop else 0

@@ -67,6 +67,8 @@ class Trace:
     #: them, checked against vLLM's own count beside the first attempt (None inside:
     #: the check failed, and the answer is not continued).
     prompt_ids: asyncio.Future[list[int] | None] | None = None
+    #: The backend that check asks.
+    prompt_checked_on: Backend | None = None
 
     def route(self, backend: Backend) -> None:
         """Hold the in-flight count on ``backend``, which serves the next attempt (a
@@ -75,6 +77,21 @@ class Trace:
             self.unroute()
             backend.in_flight += 1
             self.routed = backend
+
+    def needs_prompt_check(self, backend: Backend) -> bool:
+        """A prompt check should start for an attempt on ``backend``: none has, or
+        the one under way or failed asked another backend (a failover from a pod that
+        may not answer it); a check that succeeded holds for every pod of the model."""
+        check = self.prompt_ids
+        if check is None:
+            return True
+        if self.prompt_checked_on is backend:
+            return False
+        return not check.done() or check.cancelled() or check.result() is None
+
+    def start_prompt_check(self, backend: Backend, check: asyncio.Future[list[int] | None]) -> None:
+        self.end_prompt_check()
+        self.prompt_ids, self.prompt_checked_on = check, backend
 
     def end_prompt_check(self) -> None:
         """The request is over: a prompt check still running is not needed."""

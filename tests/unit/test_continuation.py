@@ -895,3 +895,36 @@ def test_an_error_after_a_responses_continuation_keeps_the_clients_numbering() -
             assert numbers == list(range(len(events)))
 
     asyncio.run(scenario())
+
+
+def test_a_failover_asks_its_own_backend_for_the_prompt_check() -> None:
+    """Messages' prompt check asks the attempt's backend: after a failover from a pod
+    whose check is still running or failed, the new pod is asked (the old check would
+    hold the first release on a pod that may never answer); a check that succeeded
+    holds for every pod of the model."""
+
+    async def scenario() -> None:
+        from gateway.guard.request import parse_guarded
+        from gateway.guard.trace import Trace
+
+        async with guard_with(Script([]), backends=2) as guard:
+            first, second = guard.pool.backends
+            request = parse_guarded("messages", orjson.dumps({"model": "m", "messages": USER}))
+            trace = Trace(request=request, model="m", started=0.0, conversation=None,
+                          conversation_known=True)  # fmt: skip
+            assert trace.needs_prompt_check(first)
+            running: asyncio.Future[list[int] | None] = asyncio.get_running_loop().create_future()
+            trace.start_prompt_check(first, running)
+            assert not trace.needs_prompt_check(first)
+            assert trace.needs_prompt_check(second)  # still running on the first
+            failed: asyncio.Future[list[int] | None] = asyncio.get_running_loop().create_future()
+            trace.start_prompt_check(second, failed)
+            assert running.cancelled()  # the replaced check is not left running
+            failed.set_result(None)
+            assert trace.needs_prompt_check(first)  # failed on the second: ask again
+            done: asyncio.Future[list[int] | None] = asyncio.get_running_loop().create_future()
+            trace.start_prompt_check(first, done)
+            done.set_result([1, 2, 3])
+            assert not trace.needs_prompt_check(second)  # the model's rendering holds
+
+    asyncio.run(scenario())
