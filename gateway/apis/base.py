@@ -26,7 +26,7 @@ from gateway.errors import GatewayError
 from gateway.wire.sse import DONE, lf_event
 
 #: Request fields every API routes on (parsed by ``gateway.guard.request``).
-COMMON_ROUTING_FIELDS = ("model", "stream", "n", "cache_salt", "stream_options")
+COMMON_ROUTING_FIELDS = ("model", "stream", "n", "cache_salt", "stream_options", "echo")
 
 
 @dataclass(slots=True)

@@ -231,16 +231,19 @@ class MessagesSplice(EventSplice):
         return raw  # Messages streams do not number their events
 
     def _one_answers_usage(self, usage: dict[str, Any]) -> None:
-        uncached, output = integer(usage.get("input_tokens")), integer(usage.get("output_tokens"))
-        if uncached is None or output is None:
+        output = integer(usage.get("output_tokens"))
+        if output is None or integer(usage.get("input_tokens")) is None:
             return
-        # Anthropic's input_tokens leave out the cached ones: the released text is
-        # taken from the total, and what is left beyond the cache is reported.
-        cached = (integer(usage.get("cache_read_input_tokens")) or 0) + (
-            integer(usage.get("cache_creation_input_tokens")) or 0
-        )
-        total = uncached + cached - self.released.in_prompt
-        usage["input_tokens"] = max(0, total - cached)
+        # Anthropic splits the prompt into tokens read from the cache, written to it,
+        # and neither (input_tokens). The released text ends the continuation's
+        # prompt, and a prompt's end is the last part to be cached: its tokens are
+        # taken from the uncached part first, then from the writes, then the reads.
+        left = self.released.in_prompt
+        for key in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"):
+            value = integer(usage.get(key))
+            if value is not None and left:
+                taken = min(value, left)
+                usage[key], left = value - taken, left - taken
         usage["output_tokens"] = output + self.released.generated
 
 

@@ -579,14 +579,20 @@ class Guard:
         first_token = policy is ReleasePolicy.FIRST_TOKEN or (
             policy is ReleasePolicy.AUTO and tail is not None
         )
-        held_bytes = 0
+        # An echoed prompt (``echo``) arrives as the stream's first text: it counts
+        # for nothing, and the answer after it is held as if the stream began there.
+        echo_unseen = request.echoes_prompt
+        first_token = first_token and not echo_unseen
+        echoed = held_bytes = 0
         while (forward := await state.next_batch()) is not None:
             held_bytes += sum(map(len, forward))
             state.held.extend(forward if tail is None else tail.take(forward))
             if state.ended():
                 break
+            if echo_unseen and inspector.visible_chars:
+                echoed, echo_unseen = inspector.visible_chars, False
             decide = functools.partial(
-                hold_decision, inspector, min_release, request.n, ceiling,
+                hold_decision, inspector, min_release + echoed, request.n, ceiling + echoed,
                 full=held_bytes >= MAX_HELD_BYTES, content_only=tail is not None,
             )  # fmt: skip
             decision = decide(first_token=first_token)

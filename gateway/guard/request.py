@@ -46,6 +46,12 @@ class GuardedRequest:
     unguardable: str | None = None
 
     @property
+    def echoes_prompt(self) -> bool:
+        """The stream's first text is the prompt, echoed (completions' and chat's
+        ``echo``): it says nothing about the answer's health."""
+        return self.body.get("echo") is True
+
+    @property
     def endpoint(self) -> str:
         """The API's name: a bounded label value."""
         return self.api.name

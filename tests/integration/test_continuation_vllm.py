@@ -299,3 +299,38 @@ def _assert_one_message(events: list[Any], direct: list[Any]) -> None:
     assert delta.delta.stop_reason == "max_tokens"
     assert delta.usage.output_tokens == MAX_TOKENS
     assert delta.usage.input_tokens == direct_delta.usage.input_tokens
+    # The prompt's whole count, however vLLM split it between the cache and the rest
+    # (the continuation's prompt also holds the released text, cached or not).
+    assert _prompt_side(delta.usage) == _prompt_side(direct_delta.usage)
+
+
+def _prompt_side(usage: Any) -> int:
+    """Anthropic's prompt tokens: uncached, read from the cache and written to it."""
+    cached = (usage.cache_read_input_tokens or 0) + (usage.cache_creation_input_tokens or 0)
+    return int(usage.input_tokens) + cached
+
+
+def test_an_echoed_prompt_does_not_release_a_stream_that_turns_at_once(
+    vllm: RunningVLLM, gateway_for: GatewayFactory
+) -> None:
+    """Completions with ``echo``: vLLM's first event is the prompt (with the first
+    token). Such a stream has no continuation plan (the echo would cover the continued
+    prefix), so it is held as ``adaptive`` holds it, and the echoed prompt counts for
+    nothing: an answer that turns to '!' after one healthy token is still held when
+    it turns, and retried whole. Before, the echo alone looked clearly healthy, the
+    stream went out at its first event and its '!' run was relayed as it came."""
+    gateway = gateway_for(vllm.url)  # the defaults: release auto
+    tag = f"echo-{uuid.uuid4().hex[:8]}"
+    xargs = {"vg_poison_after": 1, "vg_log_prompt": tag}
+    chunks = list(
+        openai_client(gateway.url).completions.create(
+            model=vllm.model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+            stream=True, echo=True, extra_headers={"x-request-id": tag},
+            extra_body={"ignore_eos": True, "vllm_xargs": xargs},
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text.startswith(PROMPT)
+    assert "!!!" not in text
+    # The poisoned attempt, then one salted retry of the whole request.
+    assert [salted for salted, _ in _prompts_logged(vllm, tag)] == [False, True]

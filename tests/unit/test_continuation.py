@@ -618,6 +618,28 @@ def test_the_messages_splice_continues_the_clients_message() -> None:
     assert rewritten == {"input_tokens": 10, "output_tokens": 14, "cache_read_input_tokens": 7}
 
 
+def test_the_messages_splice_takes_the_released_tokens_from_the_prompts_end() -> None:
+    """The continuation's prompt is the client's prompt and then the released text,
+    whose tokens vLLM wrote to the cache when they filled a block: what the client
+    is told is the prompt's own split, the released tokens taken from the uncached
+    end first, then from the cache writes (a real vLLM gave input_tokens 0 and one
+    cache write too many when only the uncached part was reduced)."""
+    splice = MESSAGES.splice(ReleasedPart(b"", b"", "Hi there", generated=4, in_prompt=4))
+    assert splice is not None
+    usage = {"input_tokens": 3, "output_tokens": 10, "cache_creation_input_tokens": 640,
+             "cache_read_input_tokens": 0}  # fmt: skip
+    delta = event_bytes("message_delta", {
+        "type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": usage,
+    })  # fmt: skip
+    out = splice.event(delta)
+    assert out is not None
+    rewritten = orjson.loads(out.split(b"data: ", 1)[1])["usage"]
+    assert rewritten == {
+        "input_tokens": 0, "output_tokens": 14,
+        "cache_creation_input_tokens": 639, "cache_read_input_tokens": 0,
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize(("counted", "continued"), [(3, True), (4, False), (None, False)])
 def test_a_rendered_prompt_is_used_only_when_vllm_counts_it_the_same(
     counted: int | None, continued: bool
