@@ -31,6 +31,7 @@ from gateway.apis.base import (
     ENDS,
     NO_SIGNAL,
     ApiAdapter,
+    ContinuationPlan,
     EventReader,
     EventSignal,
     EventSplice,
@@ -238,13 +239,13 @@ class MessagesSplice(EventSplice):
         # and neither (input_tokens). The released text ends the continuation's
         # prompt, and a prompt's end is the last part to be cached: its tokens are
         # taken from the uncached part first, then from the writes, then the reads.
-        left = self.released.in_prompt
+        left = self.released.tokens
         for key in ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"):
             value = integer(usage.get(key))
             if value is not None and left:
                 taken = min(value, left)
                 usage[key], left = value - taken, left - taken
-        usage["output_tokens"] = output + self.released.generated
+        usage["output_tokens"] = output + self.released.tokens
 
 
 class Messages(ApiAdapter):
@@ -294,16 +295,13 @@ class Messages(ApiAdapter):
     def error_body(self, error: GatewayError) -> bytes:
         return orjson.dumps(anthropic_error(error))
 
-    def can_continue(self, body: Mapping[str, Any]) -> bool:
+    def continuation_plan(self, body: Mapping[str, Any]) -> ContinuationPlan | None:
         """A text-only conversation: vLLM's Messages API does not continue a trailing
         assistant message, so the answer is continued by token ids, and the gateway
         can have vLLM render only such a prompt (``chat_messages``)."""
-        transfer = body.get("kv_transfer_params")
-        return chat_messages(body) is not None and (transfer is None or isinstance(transfer, dict))
-
-    def rendered_prompt(self, body: Mapping[str, Any]) -> RenderedPrompt | None:
         messages = chat_messages(body)
-        if messages is None:
+        transfer = body.get("kv_transfer_params")
+        if messages is None or not (transfer is None or isinstance(transfer, dict)):
             return None
         tokenize: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
         count: dict[str, Any] = {"messages": body.get("messages")}
@@ -312,24 +310,28 @@ class Messages(ApiAdapter):
                 count[name] = body[name]
                 if name != "system":
                     tokenize[name] = body[name]
-        return RenderedPrompt(tokenize, "/v1/messages/count_tokens", count)
+        check = RenderedPrompt(tokenize, "/v1/messages/count_tokens", count)
+        return MessagesContinuation(transfer or {}, body, check)
 
-    def continuation(
-        self,
-        body: Mapping[str, Any],
-        released: str,
-        released_tokens: int,
-        prompt_token_ids: list[int] | None = None,
+
+@dataclass(frozen=True, slots=True)
+class MessagesContinuation(ContinuationPlan):
+    """The same request with its prompt given as token ids: the rendered prompt
+    followed by the released text's (``kv_transfer_params.prompt_token_ids``, which
+    vLLM uses instead of rendering the messages)."""
+
+    transfer: Mapping[str, Any]
+    body: Mapping[str, Any]
+    prompt_check: RenderedPrompt | None
+
+    def request_fields(
+        self, released: str, released_tokens: int, prompt_token_ids: list[int] | None
     ) -> dict[str, Any] | None:
-        """The same request with its prompt given as token ids: the rendered prompt
-        followed by the released text's (``kv_transfer_params.prompt_token_ids``,
-        which vLLM uses instead of rendering the messages)."""
-        if prompt_token_ids is None or not self.can_continue(body):
+        if prompt_token_ids is None:
             return None
-        transfer = body.get("kv_transfer_params")
         return {
-            "kv_transfer_params": {**(transfer or {}), "prompt_token_ids": prompt_token_ids},
-            **remaining_tokens(body, released_tokens, ("max_tokens",), None),
+            "kv_transfer_params": {**self.transfer, "prompt_token_ids": prompt_token_ids},
+            **remaining_tokens(self.body, released_tokens, ("max_tokens",), None),
         }
 
     def splice(self, released: ReleasedPart) -> EventSplice | None:

@@ -16,8 +16,10 @@ import orjson
 
 from gateway.apis.base import (
     ApiAdapter,
+    ContinuationPlan,
     EventSplice,
     ReleasedPart,
+    RenderedPrompt,
     Usage,
     event_payload,
     integer,
@@ -168,11 +170,62 @@ def _says_nothing(choice: object) -> bool:
     return not choice.get("text")
 
 
-class _OpenAIChoices(ApiAdapter):
-    openai_chunks: ClassVar[bool] = True
+@dataclass(frozen=True, slots=True)
+class ChatContinuation(ContinuationPlan):
+    """A conversation continued by its last assistant message: vLLM continues one
+    with both ``continue_final_message`` and ``add_generation_prompt: false`` (one
+    alone is a 400). A client that continues its own assistant message has the
+    released text appended to it."""
+
+    body: Mapping[str, Any]
+    prompt_check: RenderedPrompt | None = None
+
+    def request_fields(
+        self, released: str, released_tokens: int, prompt_token_ids: list[int] | None
+    ) -> dict[str, Any]:
+        messages = self.body["messages"]
+        last = messages[-1]
+        if self.body.get("continue_final_message") is True:
+            continued = [*messages[:-1], {**last, "content": last["content"] + released}]
+        else:
+            continued = [*messages, {"role": "assistant", "content": released}]
+        return {
+            "messages": continued,
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            **remaining_tokens(
+                self.body, released_tokens, ("max_completion_tokens", "max_tokens"), None
+            ),
+        }
 
     def splice(self, released: ReleasedPart) -> EventSplice | None:
         return ChunkSplice.of(released)
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionsContinuation(ContinuationPlan):
+    """The prompt and the released text, as one prompt."""
+
+    prompt: str
+    body: Mapping[str, Any]
+    prompt_check: RenderedPrompt | None = None
+
+    def request_fields(
+        self, released: str, released_tokens: int, prompt_token_ids: list[int] | None
+    ) -> dict[str, Any]:
+        return {
+            "prompt": self.prompt + released,
+            **remaining_tokens(
+                self.body, released_tokens, ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS
+            ),
+        }
+
+    def splice(self, released: ReleasedPart) -> EventSplice | None:
+        return ChunkSplice.of(released)
+
+
+class _OpenAIChoices(ApiAdapter):
+    openai_chunks: ClassVar[bool] = True
 
     def outputs(self, payload: Mapping[str, Any]) -> Iterable[tuple[int, ChoiceOutput]]:
         return body_choices(payload)
@@ -195,45 +248,19 @@ class ChatCompletions(_OpenAIChoices):
             return None
         return messages[: settings.fingerprint_messages]
 
-    def can_continue(self, body: Mapping[str, Any]) -> bool:
+    def continuation_plan(self, body: Mapping[str, Any]) -> ContinuationPlan | None:
         """A conversation whose answer is the same answer longer (``continuable``); a
         client continuing its own assistant message only when its content is a string
         (the released text is appended to it)."""
         messages = body.get("messages")
         if not continuable(body) or not isinstance(messages, list) or not messages:
-            return False
-        last = messages[-1]
-        return body.get("continue_final_message") is not True or (
-            isinstance(last, dict) and isinstance(last.get("content"), str)
-        )
-
-    def continuation(
-        self,
-        body: Mapping[str, Any],
-        released: str,
-        released_tokens: int,
-        prompt_token_ids: list[int] | None = None,
-    ) -> dict[str, Any] | None:
-        """vLLM continues a trailing assistant message with both
-        ``continue_final_message`` and ``add_generation_prompt: false`` (one alone is a
-        400). A client that continues its own assistant message has the released
-        text appended to it."""
-        if not self.can_continue(body):
             return None
-        messages = body["messages"]
         last = messages[-1]
-        if body.get("continue_final_message") is True:
-            continued = [*messages[:-1], {**last, "content": last["content"] + released}]
-        else:
-            continued = [*messages, {"role": "assistant", "content": released}]
-        return {
-            "messages": continued,
-            "continue_final_message": True,
-            "add_generation_prompt": False,
-            **remaining_tokens(
-                body, released_tokens, ("max_completion_tokens", "max_tokens"), None
-            ),
-        }
+        if body.get("continue_final_message") is True and not (
+            isinstance(last, dict) and isinstance(last.get("content"), str)
+        ):
+            return None
+        return ChatContinuation(body)
 
 
 class TextCompletions(_OpenAIChoices):
@@ -247,23 +274,9 @@ class TextCompletions(_OpenAIChoices):
             return None
         return prompt[: settings.fingerprint_prompt_chars]
 
-    def can_continue(self, body: Mapping[str, Any]) -> bool:
+    def continuation_plan(self, body: Mapping[str, Any]) -> ContinuationPlan | None:
         """A string prompt (one prompt; token ids are not continued as text)."""
-        return continuable(body) and isinstance(body.get("prompt"), str)
-
-    def continuation(
-        self,
-        body: Mapping[str, Any],
-        released: str,
-        released_tokens: int,
-        prompt_token_ids: list[int] | None = None,
-    ) -> dict[str, Any] | None:
-        """The prompt and the released text, as one prompt (a string prompt only)."""
-        if not self.can_continue(body):
+        prompt = body.get("prompt")
+        if not continuable(body) or not isinstance(prompt, str):
             return None
-        return {
-            "prompt": body["prompt"] + released,
-            **remaining_tokens(
-                body, released_tokens, ("max_tokens",), COMPLETIONS_DEFAULT_MAX_TOKENS
-            ),
-        }
+        return CompletionsContinuation(prompt, body)

@@ -19,7 +19,7 @@ Stateful parts (docs/guard.md, "Responses and Messages"):
   response the guard released remembers its conversation and its backend
   (``gateway.guard.conversations.AnswerChains``): a request continuing it inherits the
   conversation (salt memory) and goes to that backend, as do ``GET`` and
-  ``cancel`` of the id (``Guard.answer_home``: remembered, shared through Redis,
+  ``cancel`` of the id (``AnswerHomes.find``: remembered, shared through Redis,
   or found by asking the pods, ``stored_path``).
 * ``background: true``: vLLM answers "queued" at once and generates later;
   there is no answer to inspect. Passed through unguarded, counted with the
@@ -37,10 +37,12 @@ from gateway.apis.base import (
     BACKEND_ERROR,
     NO_SIGNAL,
     ApiAdapter,
+    ContinuationPlan,
     EventReader,
     EventSignal,
     EventSplice,
     ReleasedPart,
+    RenderedPrompt,
     Usage,
     event_bytes,
     event_payload,
@@ -304,44 +306,47 @@ class Responses(ApiAdapter):
     def event_reader(self, inspector: StreamInspector) -> EventReader:
         return ResponsesEventReader(inspector)
 
-    def can_continue(self, body: Mapping[str, Any]) -> bool:
+    def continuation_plan(self, body: Mapping[str, Any]) -> ContinuationPlan | None:
         """Only an answer vLLM does not store (``store: false``): a stored answer is
         kept under the id the client has, which would then name the degenerate
         original, not the continued answer. No structured output, no forced tool."""
+        given = body.get("input")
         text_options = body.get("text")
         answer_format = text_options.get("format") if isinstance(text_options, dict) else None
         tool_choice = body.get("tool_choice")
-        return (
+        if (
             body.get("store") is False
-            and isinstance(body.get("input"), (str, list))
+            and isinstance(given, (str, list))
             and body.get("background") is not True
             and (answer_format is None or (isinstance(answer_format, dict)
                                            and answer_format.get("type") == "text"))
             and not (tool_choice == "required" or isinstance(tool_choice, dict))
-        )  # fmt: skip
+        ):  # fmt: skip
+            return ResponsesContinuation(given, body)
+        return None
 
-    def continuation(
-        self,
-        body: Mapping[str, Any],
-        released: str,
-        released_tokens: int,
-        prompt_token_ids: list[int] | None = None,
-    ) -> dict[str, Any] | None:
-        """The input with the released text as a last assistant message whose status
-        is ``in_progress``: vLLM continues it (``should_continue_final_message``)."""
-        given = body.get("input")
-        if not self.can_continue(body):
-            return None
+
+@dataclass(frozen=True, slots=True)
+class ResponsesContinuation(ContinuationPlan):
+    """The input with the released text as a last assistant message whose status is
+    ``in_progress``: vLLM continues it (``should_continue_final_message``)."""
+
+    given: str | list[Any]
+    body: Mapping[str, Any]
+    prompt_check: RenderedPrompt | None = None
+
+    def request_fields(
+        self, released: str, released_tokens: int, prompt_token_ids: list[int] | None
+    ) -> dict[str, Any]:
+        given = self.given
         if isinstance(given, str):
             given = [{"role": "user", "content": given}]
-        if not isinstance(given, list):
-            return None
         part = {"type": "output_text", "text": released, "annotations": []}
         partial = {"type": "message", "role": "assistant", "status": "in_progress",
                    "content": [part]}  # fmt: skip
         return {
             "input": [*given, partial],
-            **remaining_tokens(body, released_tokens, ("max_output_tokens",), None),
+            **remaining_tokens(self.body, released_tokens, ("max_output_tokens",), None),
         }
 
     def splice(self, released: ReleasedPart) -> EventSplice | None:

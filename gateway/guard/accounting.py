@@ -8,8 +8,9 @@ import time
 from collections.abc import Callable
 
 from gateway.detect import DegenerateKind
+from gateway.guard.attempt import Attempt
 from gateway.guard.request import GuardedRequest
-from gateway.guard.trace import Attempt, Trace
+from gateway.guard.trace import Trace
 from gateway.observe.evidence import EvidenceRecord, EvidenceStore, prompt_fingerprint
 from gateway.observe.metrics import Metrics
 from gateway.upstream.pool import Backend

@@ -133,7 +133,7 @@ class AnswerChains:
     ``cancel`` of the answer, go where it is stored). Per process; shared through
     Redis by ``gateway.guard.shared_state.SharedAnswerChains``. An id nobody knows
     keys the conversation on the id itself, and its backend is found by asking
-    (``Guard.answer_home``)."""
+    (``AnswerHomes.find``)."""
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries

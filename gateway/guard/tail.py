@@ -13,7 +13,7 @@ degenerate (``signature``), none of it has been sent: the guard drops it and
 continues the answer from exactly the text the client has.
 
 The tail owns a guarded stream from its first byte: while the stream is still held
-back before release (``Guard._hold_back``) its batches go through ``take`` too, so
+back before release (``HoldBack.hold``) its batches go through ``take`` too, so
 the first release never sends an unsettled end, whatever arrives in one read.
 
 Only a stream the guard can continue is held this way: one output whose text is

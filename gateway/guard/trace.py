@@ -1,21 +1,16 @@
-"""What the guard keeps about one request (``Trace``) and each of its attempts
-(``Attempt``) while it runs."""
+"""What the guard keeps about one request (``Trace``) while it runs; each attempt
+is an ``Attempt`` (``gateway.guard.attempt``)."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
-from typing import Any
 
 from multidict import CIMultiDict
 
-from gateway.apis import ApiAdapter, Usage
-from gateway.detect import CLEAN, Verdict
 from gateway.guard.budget import RetryTicket
+from gateway.guard.continuation import Continuation
 from gateway.guard.request import GuardedRequest
-from gateway.guard.stream import StreamState
-from gateway.guard.tail import TailHold
-from gateway.upstream.pool import Backend, RawHeaders
+from gateway.upstream.pool import Backend
 
 
 @dataclass(slots=True)
@@ -56,19 +51,14 @@ class Trace:
     attempt_started: float = 0.0
     #: The headers each attempt is sent with (a continuation's too).
     upstream_headers: CIMultiDict[str] | None = None
-    #: A released stream's continuation being relayed (closed with the stream).
-    continuing: Attempt | None = None
-    #: Continuations asked for after release.
-    continuations: int = 0
-    #: The latest continuation's outcome is counted already (it degenerated and
-    #: was continued again, or refused): the stream's end does not count it again.
-    continuation_counted: bool = False
-    #: An API continued by token ids (Messages): the prompt's ids as vLLM renders
-    #: them, checked against vLLM's own count beside the first attempt (None inside:
-    #: the check failed, and the answer is not continued).
-    prompt_ids: asyncio.Future[list[int] | None] | None = None
-    #: The backend that check asks.
-    prompt_checked_on: Backend | None = None
+    #: How the answer is continued after release, when its request has a plan
+    #: (``gateway.guard.continuation``): its prompt check, its continuations.
+    continuation: Continuation | None = None
+
+    @property
+    def continuations(self) -> int:
+        """Continuations asked for after release."""
+        return self.continuation.asked if self.continuation is not None else 0
 
     def route(self, backend: Backend) -> None:
         """Hold the in-flight count on ``backend``, which serves the next attempt (a
@@ -78,68 +68,8 @@ class Trace:
             backend.in_flight += 1
             self.routed = backend
 
-    def needs_prompt_check(self, backend: Backend) -> bool:
-        """A prompt check should start for an attempt on ``backend``: none has, or
-        the one under way or failed asked another backend (a failover from a pod that
-        may not answer it); a check that succeeded holds for every pod of the model."""
-        check = self.prompt_ids
-        if check is None:
-            return True
-        if self.prompt_checked_on is backend:
-            return False
-        return not check.done() or check.cancelled() or check.result() is None
-
-    def start_prompt_check(self, backend: Backend, check: asyncio.Future[list[int] | None]) -> None:
-        self.end_prompt_check()
-        self.prompt_ids, self.prompt_checked_on = check, backend
-
-    def end_prompt_check(self) -> None:
-        """The request is over: a prompt check still running is not needed."""
-        if self.prompt_ids is not None and not self.prompt_ids.done():
-            self.prompt_ids.cancel()
-
     def unroute(self) -> None:
         """Give back the in-flight count the request holds on its backend (once)."""
         if self.routed is not None:
             self.routed.in_flight -= 1
             self.routed = None
-
-
-@dataclass(slots=True)
-class Attempt:
-    backend: Backend
-    salt: str | None
-    status: int
-    headers: RawHeaders
-    verdict: Verdict = CLEAN
-    body: bytes = b""
-    usage: Usage | None = None
-    stream: StreamState | None = None
-    #: Seconds spent waiting on the backend for this attempt.
-    upstream_s: float = 0.0
-    #: The parsed body of a non-streaming attempt (for evidence capture).
-    payload: dict[str, Any] | None = None
-    #: Its duration and tokens are counted (``Accounting.count_attempt``, once).
-    counted: bool = False
-    #: The rolling hold-back of a stream the guard may continue: it owns what is
-    #: sent from the stream's first byte (``gateway.guard.tail``).
-    tail: TailHold | None = None
-
-    def output_text(self, api: ApiAdapter) -> str:
-        """What the degenerate choice said (content, else reasoning, else tool args)."""
-        index = self.verdict.choice_index or 0
-        if self.stream is not None:
-            state = self.stream.inspector.choices.get(index)
-            output = state.output() if state is not None else None
-        else:
-            output = dict(api.outputs(self.payload or {})).get(index)
-        if output is None:
-            return ""
-        return output.content or output.reasoning or "".join(output.tool_arguments)
-
-    async def discard(self) -> None:
-        if self.stream is not None:
-            try:
-                await self.stream.finish_reading()  # a complete stream keeps its connection
-            finally:  # the client may leave while it is read: the connection is closed
-                self.stream.close()

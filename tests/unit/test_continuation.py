@@ -26,12 +26,15 @@ from test_guard_loop import (
     stream_of,
 )
 
-from gateway.apis import BY_NAME
-from gateway.apis.base import ReleasedPart, event_bytes
+from gateway.apis import BY_NAME, ApiAdapter
+from gateway.apis.base import ReleasedPart, RenderedPrompt, event_bytes
+from gateway.apis.messages import MessagesSplice
 from gateway.apis.openai_chunks import ChunkSplice
+from gateway.apis.responses import ResponsesSplice
 from gateway.config import DetectorSettings
 from gateway.detect import Detector, StreamInspector
 from gateway.detect.text import unsettled_start
+from gateway.guard.continuation import Continuation, rendered_prompt_ids
 from gateway.guard.loop import Guard
 from gateway.guard.tail import MAX_TAIL_BYTES, TailHold
 
@@ -134,6 +137,26 @@ def test_the_tail_releases_a_flood_it_cannot_settle() -> None:
 
 CHAT = BY_NAME["chat"]
 COMPLETIONS = BY_NAME["completions"]
+
+
+def continued(
+    api: ApiAdapter,
+    body: dict[str, Any],
+    released: str,
+    tokens: int,
+    prompt_ids: list[int] | None = None,
+) -> dict[str, Any] | None:
+    """What the request's continuation plan asks vLLM for (None: it has no plan, or
+    the plan cannot continue it)."""
+    plan = api.continuation_plan(body)
+    return None if plan is None else plan.request_fields(released, tokens, prompt_ids)
+
+
+def rendered_prompt(api: ApiAdapter, body: dict[str, Any]) -> RenderedPrompt | None:
+    plan = api.continuation_plan(body)
+    return None if plan is None else plan.prompt_check
+
+
 USER = [{"role": "user", "content": "go"}]
 
 
@@ -152,7 +175,7 @@ def test_a_chat_continuation_asks_for_the_rest_of_the_answer(
     extra: dict[str, Any], limits: dict[str, int]
 ) -> None:
     released = "café 日本語\n  x"
-    fields = CHAT.continuation({"messages": USER, **extra}, released, 7)
+    fields = continued(CHAT, {"messages": USER, **extra}, released, 7)
     assert fields == {
         "messages": [*USER, {"role": "assistant", "content": released}],
         "continue_final_message": True,
@@ -164,7 +187,7 @@ def test_a_chat_continuation_asks_for_the_rest_of_the_answer(
 def test_a_client_continuing_its_own_message_has_the_text_appended() -> None:
     messages = [*USER, {"role": "assistant", "content": "The answer is"}]
     body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
-    fields = CHAT.continuation(body, " forty", 1)
+    fields = continued(CHAT, body, " forty", 1)
     assert fields is not None
     assert fields["messages"][-1] == {"role": "assistant", "content": "The answer is forty"}
 
@@ -187,19 +210,19 @@ def test_a_request_whose_answer_a_continuation_would_change_is_not_continued(
 ) -> None:
     messages = [*USER, {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]
     body = {"messages": messages if "continue_final_message" in extra else USER, **extra}
-    assert CHAT.continuation(body, "text", 1) is None
+    assert continued(CHAT, body, "text", 1) is None
     if "continue_final_message" not in extra:
-        assert not CHAT.can_continue(body)
-    assert CHAT.continuation({"messages": USER, "response_format": {"type": "text"}}, "a", 1)
+        assert CHAT.continuation_plan(body) is None
+    assert continued(CHAT, {"messages": USER, "response_format": {"type": "text"}}, "a", 1)
 
 
 def test_a_completions_continuation_is_the_prompt_and_the_text() -> None:
-    assert COMPLETIONS.continuation({"prompt": "Once upon"}, " a time\n", 3) == {
+    assert continued(COMPLETIONS, {"prompt": "Once upon"}, " a time\n", 3) == {
         "prompt": "Once upon a time\n",
         "max_tokens": 13,  # vLLM's default of 16, less the 3 generated
     }
-    assert COMPLETIONS.continuation({"prompt": ["a", "b"]}, "x", 1) is None
-    assert COMPLETIONS.continuation({"prompt": "p", "suffix": "s"}, "x", 1) is None
+    assert continued(COMPLETIONS, {"prompt": ["a", "b"]}, "x", 1) is None
+    assert continued(COMPLETIONS, {"prompt": "p", "suffix": "s"}, "x", 1) is None
 
 
 # -- the splice -----------------------------------------------------------------------
@@ -219,7 +242,7 @@ def continuation_event(**fields: Any) -> bytes:
 
 
 def test_the_splice_gives_the_continuation_the_answers_identity() -> None:
-    splice = ChunkSplice.of(ReleasedPart(OPENING, OPENING, "Hi", generated=5, in_prompt=6))
+    splice = ChunkSplice.of(ReleasedPart(OPENING, OPENING, "Hi", tokens=6))
     assert splice is not None
     role = continuation_event(
         choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -235,7 +258,7 @@ def test_the_splice_gives_the_continuation_the_answers_identity() -> None:
     spliced = splice.event(continuation_event(choices=[], usage=usage))
     assert spliced is not None
     assert orjson.loads(spliced[6:])["usage"] == {
-        "prompt_tokens": 14, "completion_tokens": 35, "total_tokens": 49,
+        "prompt_tokens": 14, "completion_tokens": 36, "total_tokens": 50,
     }  # fmt: skip
     assert splice.event(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
 
@@ -413,8 +436,8 @@ RESPONSES_OPENING = b"".join([
 
 def test_the_responses_splice_continues_the_clients_response() -> None:
     latest = responses_event("response.output_text.delta", sequence_number=5, delta=" there")
-    released = ReleasedPart(RESPONSES_OPENING, latest, "Hi there", generated=4, in_prompt=3)
-    splice = RESPONSES.splice(released)
+    released = ReleasedPart(RESPONSES_OPENING, latest, "Hi there", tokens=3)
+    splice = ResponsesSplice.of(released)
     assert splice is not None
 
     def rewritten(kind: str, **fields: Any) -> dict[str, Any] | None:
@@ -446,13 +469,13 @@ def test_the_responses_splice_continues_the_clients_response() -> None:
     assert (response["id"], response["created_at"]) == ("resp_orig", 111)
     assert response["output"][0]["id"] == "msg_orig"
     assert response["output"][0]["content"][0]["text"] == "Hi there 日本"
-    assert response["usage"] == {"input_tokens": 17, "output_tokens": 14, "total_tokens": 31}
+    assert response["usage"] == {"input_tokens": 17, "output_tokens": 13, "total_tokens": 30}
     assert completed["sequence_number"] == 9
 
 
 def test_a_responses_answer_is_continued_only_when_vllm_does_not_store_it() -> None:
     body = {"input": "go", "store": False, "max_output_tokens": 30}
-    fields = RESPONSES.continuation(body, "Partial\n", 4)
+    fields = continued(RESPONSES, body, "Partial\n", 4)
     assert fields == {
         "input": [
             {"role": "user", "content": "go"},
@@ -461,11 +484,11 @@ def test_a_responses_answer_is_continued_only_when_vllm_does_not_store_it() -> N
         ],
         "max_output_tokens": 26,
     }  # fmt: skip
-    assert RESPONSES.can_continue(body)
-    assert not RESPONSES.can_continue({"input": "go"})  # vLLM's default: stored
+    assert RESPONSES.continuation_plan(body) is not None
+    assert RESPONSES.continuation_plan({"input": "go"}) is None  # vLLM's default: stored
     for refused in ({"store": True}, {"text": {"format": {"type": "json_schema"}}},
                     {"tool_choice": "required"}, {"background": True}):  # fmt: skip
-        assert not RESPONSES.can_continue({**body, **refused})
+        assert RESPONSES.continuation_plan({**body, **refused}) is None
 
 
 def test_a_continuation_split_inside_a_character_reaches_the_client_whole() -> None:
@@ -570,10 +593,10 @@ MESSAGES = BY_NAME["messages"]
 def test_a_messages_conversation_is_rendered_as_vllm_converts_it(
     body: dict[str, Any], rendered: list[dict[str, Any]] | None
 ) -> None:
-    prompt = MESSAGES.rendered_prompt({"model": "m", **body})
+    prompt = rendered_prompt(MESSAGES, {"model": "m", **body})
     if rendered is None:
         assert prompt is None
-        assert not MESSAGES.can_continue(body)
+        assert MESSAGES.continuation_plan(body) is None
         return
     assert prompt is not None
     assert prompt.tokenize == {"messages": rendered, "add_generation_prompt": True, "model": "m"}
@@ -584,15 +607,25 @@ def test_a_messages_conversation_is_rendered_as_vllm_converts_it(
 def test_a_messages_continuation_gives_vllm_the_prompt_as_token_ids() -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
             "kv_transfer_params": {"other": 1}}  # fmt: skip
-    assert MESSAGES.continuation(body, "Hello", 5, None) is None  # no ids: not continued
-    assert MESSAGES.continuation(body, "Hello", 5, [1, 2, 3]) == {
+    assert continued(MESSAGES, body, "Hello", 5, None) is None  # no ids: not continued
+    assert continued(MESSAGES, body, "Hello", 5, [1, 2, 3]) == {
         "kv_transfer_params": {"other": 1, "prompt_token_ids": [1, 2, 3]},
         "max_tokens": 35,
     }
 
 
+def spliced_usage(splice: MessagesSplice, usage: dict[str, int]) -> Any:
+    """The usage of a continuation's ``message_delta`` as the client gets it."""
+    delta = event_bytes("message_delta", {
+        "type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": usage,
+    })  # fmt: skip
+    out = splice.event(delta)
+    assert out is not None
+    return orjson.loads(out.split(b"data: ", 1)[1])["usage"]
+
+
 def test_the_messages_splice_continues_the_clients_message() -> None:
-    splice = MESSAGES.splice(ReleasedPart(b"", b"", "Hi there", generated=4, in_prompt=3))
+    splice = MessagesSplice(ReleasedPart(b"", b"", "Hi there", tokens=3))
     assert splice is not None
     start = event_bytes("message_start", {"type": "message_start", "message": {"id": "new"}})
     block = event_bytes("content_block_start", {
@@ -608,14 +641,9 @@ def test_the_messages_splice_continues_the_clients_message() -> None:
     assert splice.event(text) == text
     assert splice.event(stop) == stop
     usage = {"input_tokens": 13, "output_tokens": 10, "cache_read_input_tokens": 7}
-    delta = event_bytes("message_delta", {
-        "type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": usage,
-    })  # fmt: skip
-    out = splice.event(delta)
-    assert out is not None
-    rewritten = orjson.loads(out.split(b"data: ", 1)[1])["usage"]
+    rewritten = spliced_usage(splice, usage)
     # 20 prompt tokens (13 + 7 cached) less the 3 of the released text, 7 of them cached.
-    assert rewritten == {"input_tokens": 10, "output_tokens": 14, "cache_read_input_tokens": 7}
+    assert rewritten == {"input_tokens": 10, "output_tokens": 13, "cache_read_input_tokens": 7}
 
 
 def test_the_messages_splice_takes_the_released_tokens_from_the_prompts_end() -> None:
@@ -624,16 +652,10 @@ def test_the_messages_splice_takes_the_released_tokens_from_the_prompts_end() ->
     is told is the prompt's own split, the released tokens taken from the uncached
     end first, then from the cache writes (a real vLLM gave input_tokens 0 and one
     cache write too many when only the uncached part was reduced)."""
-    splice = MESSAGES.splice(ReleasedPart(b"", b"", "Hi there", generated=4, in_prompt=4))
-    assert splice is not None
+    splice = MessagesSplice(ReleasedPart(b"", b"", "Hi there", tokens=4))
     usage = {"input_tokens": 3, "output_tokens": 10, "cache_creation_input_tokens": 640,
              "cache_read_input_tokens": 0}  # fmt: skip
-    delta = event_bytes("message_delta", {
-        "type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": usage,
-    })  # fmt: skip
-    out = splice.event(delta)
-    assert out is not None
-    rewritten = orjson.loads(out.split(b"data: ", 1)[1])["usage"]
+    rewritten = spliced_usage(splice, usage)
     assert rewritten == {
         "input_tokens": 0, "output_tokens": 14,
         "cache_creation_input_tokens": 639, "cache_read_input_tokens": 0,
@@ -654,9 +676,9 @@ def test_a_rendered_prompt_is_used_only_when_vllm_counts_it_the_same(
         async def ask_json(self, path: str, body: dict[str, Any], headers: Any) -> Any:
             return None if counted is None else {"input_tokens": counted}
 
-    rendered = MESSAGES.rendered_prompt({"messages": [{"role": "user", "content": "hi"}]})
+    rendered = rendered_prompt(MESSAGES, {"messages": [{"role": "user", "content": "hi"}]})
     assert rendered is not None
-    ids = asyncio.run(Guard._rendered_prompt_ids(Backend(), rendered, {}))  # type: ignore[arg-type]
+    ids = asyncio.run(rendered_prompt_ids(Backend(), rendered, {}))  # type: ignore[arg-type]
     assert (ids == [5, 6, 7]) is continued
 
 
@@ -819,25 +841,26 @@ def test_a_request_with_no_continuation_plan_is_held_and_retried_not_released(
 
 
 def test_the_plan_is_what_the_continuation_accepts() -> None:
-    """``can_continue`` (decided before release) agrees with ``continuation`` (asked
-    after the corruption) on every API, for the requests each refuses."""
-    bodies = [
-        ("completions", {"prompt": [1, 2, 3]}),
-        ("completions", {"prompt": ["a", "b"]}),
-        ("completions", {"prompt": "go"}),
-        ("chat", {"messages": []}),
-        ("chat", {"messages": USER}),
+    """A request has a continuation plan (decided before release) exactly when its
+    answer can be continued (asked after the corruption): the requests that were
+    released early and then refused have none, and every plan gives a continuation."""
+    bodies: list[tuple[str, dict[str, Any], bool]] = [
+        ("completions", {"prompt": [1, 2, 3]}, False),
+        ("completions", {"prompt": ["a", "b"]}, False),
+        ("completions", {"prompt": "go"}, True),
+        ("chat", {"messages": []}, False),
+        ("chat", {"messages": USER}, True),
         ("chat", {"messages": [*USER, {"role": "assistant", "content": [{"type": "text"}]}],
-                  "continue_final_message": True}),
-        ("responses", {"store": False, "input": {"role": "user"}}),
-        ("responses", {"store": False, "input": "go"}),
-        ("messages", {"messages": USER, "kv_transfer_params": "x"}),
-        ("messages", {"messages": USER}),
+                  "continue_final_message": True}, False),
+        ("responses", {"store": False, "input": {"role": "user"}}, False),
+        ("responses", {"store": False, "input": "go"}, True),
+        ("messages", {"messages": USER, "kv_transfer_params": "x"}, False),
+        ("messages", {"messages": USER}, True),
     ]  # fmt: skip
-    for api, body in bodies:
-        adapter = BY_NAME[api]
-        continued = adapter.continuation(body, "Open", 1, [1, 2])
-        assert adapter.can_continue(body) == (continued is not None), (api, body)
+    for api, body, planned in bodies:
+        plan = BY_NAME[api].continuation_plan(body)
+        assert (plan is not None) is planned, (api, body)
+        assert plan is None or plan.request_fields("Open", 1, [1, 2]) is not None
 
 
 def test_a_continuation_teaches_the_salt_memory() -> None:
@@ -926,27 +949,29 @@ def test_a_failover_asks_its_own_backend_for_the_prompt_check() -> None:
     holds for every pod of the model."""
 
     async def scenario() -> None:
+        from multidict import CIMultiDict
+
         from gateway.guard.request import parse_guarded
-        from gateway.guard.trace import Trace
 
         async with guard_with(Script([]), backends=2) as guard:
             first, second = guard.pool.backends
             request = parse_guarded("messages", orjson.dumps({"model": "m", "messages": USER}))
-            trace = Trace(request=request, model="m", started=0.0, conversation=None,
-                          conversation_known=True)  # fmt: skip
-            assert trace.needs_prompt_check(first)
+            plan = request.api.continuation_plan(request.body)
+            assert plan is not None
+            continuation = Continuation(plan, request, CIMultiDict(), guard.metrics)
+            assert continuation.needs_prompt_check(first)
             running: asyncio.Future[list[int] | None] = asyncio.get_running_loop().create_future()
-            trace.start_prompt_check(first, running)
-            assert not trace.needs_prompt_check(first)
-            assert trace.needs_prompt_check(second)  # still running on the first
+            continuation.start_prompt_check(first, running)
+            assert not continuation.needs_prompt_check(first)
+            assert continuation.needs_prompt_check(second)  # still running on the first
             failed: asyncio.Future[list[int] | None] = asyncio.get_running_loop().create_future()
-            trace.start_prompt_check(second, failed)
+            continuation.start_prompt_check(second, failed)
             assert running.cancelled()  # the replaced check is not left running
             failed.set_result(None)
-            assert trace.needs_prompt_check(first)  # failed on the second: ask again
+            assert continuation.needs_prompt_check(first)  # failed on the second: ask again
             done: asyncio.Future[list[int] | None] = asyncio.get_running_loop().create_future()
-            trace.start_prompt_check(first, done)
+            continuation.start_prompt_check(first, done)
             done.set_result([1, 2, 3])
-            assert not trace.needs_prompt_check(second)  # the model's rendering holds
+            assert not continuation.needs_prompt_check(second)  # the model's rendering holds
 
     asyncio.run(scenario())
