@@ -187,6 +187,11 @@ class ApiAdapter(ABC):
         the history lives in the backend (Responses' ``previous_response_id``)."""
         return None
 
+    def echoes_prompt(self, body: Mapping[str, Any]) -> bool:
+        """Each choice's stream starts with (part of) the prompt, echoed: text that
+        says nothing about the answer's health."""
+        return False
+
     def unguardable(self, body: Mapping[str, Any]) -> str | None:
         """Why the answer to this request cannot be inspected (None: it can)."""
         return None

@@ -248,6 +248,17 @@ class ChatCompletions(_OpenAIChoices):
             return None
         return messages[: settings.fingerprint_messages]
 
+    def echoes_prompt(self, body: Mapping[str, Any]) -> bool:
+        """vLLM echoes a trailing assistant message with content (serving_chat: the
+        last message's role is the answer's)."""
+        messages = body.get("messages")
+        if body.get("echo") is not True or not isinstance(messages, list) or not messages:
+            return False
+        last = messages[-1]
+        return (
+            isinstance(last, dict) and last.get("role") == "assistant" and bool(last.get("content"))
+        )
+
     def continuation_plan(self, body: Mapping[str, Any]) -> ContinuationPlan | None:
         """A conversation whose answer is the same answer longer (``continuable``); a
         client continuing its own assistant message only when its content is a string
@@ -273,6 +284,9 @@ class TextCompletions(_OpenAIChoices):
         if not isinstance(prompt, str) or not prompt:
             return None
         return prompt[: settings.fingerprint_prompt_chars]
+
+    def echoes_prompt(self, body: Mapping[str, Any]) -> bool:
+        return body.get("echo") is True
 
     def continuation_plan(self, body: Mapping[str, Any]) -> ContinuationPlan | None:
         """A string prompt (one prompt; token ids are not continued as text)."""

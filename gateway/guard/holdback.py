@@ -11,12 +11,13 @@ here, once per model.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import orjson
 from multidict import CIMultiDict
 
 from gateway.config import AfterRelease, GuardMode, ReleasePolicy, Settings
-from gateway.detect import Detector, StreamInspector
+from gateway.detect import CLEAN, Detector, StreamInspector
 from gateway.errors import UpstreamProtocolError
 from gateway.guard.attempt import Attempt
 from gateway.guard.continuation import Continuation
@@ -28,6 +29,28 @@ from gateway.observe.metrics import Metrics
 
 #: Most bytes of one stream held back before the guard decides on what it has.
 MAX_HELD_BYTES = 1024 * 1024
+
+
+@dataclass(slots=True)
+class EchoedPrompts:
+    """The visible characters of each choice's echoed prompt (its first text), so that
+    they count for nothing in the release decision."""
+
+    expected: int
+    chars: dict[int, int] = field(default_factory=dict)
+
+    def see(self, inspector: StreamInspector) -> tuple[int, int]:
+        """The echoes seen so far: the longest (a choice's threshold grows by it) and
+        all of them (the stream's ceiling does)."""
+        if len(self.chars) < self.expected:
+            for index, choice in inspector.choices.items():
+                if index not in self.chars and choice.visible:
+                    self.chars[index] = choice.visible
+        return max(self.chars.values(), default=0), sum(self.chars.values())
+
+    @property
+    def complete(self) -> bool:
+        return len(self.chars) >= self.expected
 
 
 class HoldBack:
@@ -112,23 +135,24 @@ class HoldBack:
         first_token = policy is ReleasePolicy.FIRST_TOKEN or (
             policy is ReleasePolicy.AUTO and tail is not None
         )
-        # An echoed prompt (``echo``) arrives as the stream's first text: it counts
-        # for nothing, and the answer after it is held as if the stream began there.
-        echo_unseen = request.echoes_prompt
-        first_token = first_token and not echo_unseen
-        echoed = held_bytes = 0
+        # An echoed prompt arrives as each choice's first text: it counts for nothing,
+        # and the answer after it is held as if the stream began there.
+        echoes = EchoedPrompts(request.n) if request.echoes_prompt else None
+        first_token = first_token and echoes is None
+        held_bytes = 0
         while (forward := await state.next_batch()) is not None:
             held_bytes += sum(map(len, forward))
             state.held.extend(forward if tail is None else tail.take(forward))
             if state.ended():
                 break
-            if echo_unseen and inspector.visible_chars:
-                echoed, echo_unseen = inspector.visible_chars, False
+            per_choice, in_all = echoes.see(inspector) if echoes is not None else (0, 0)
             decide = functools.partial(
-                hold_decision, inspector, min_release + echoed, request.n, ceiling + echoed,
+                hold_decision, inspector, min_release + per_choice, request.n, ceiling + in_all,
                 full=held_bytes >= MAX_HELD_BYTES, content_only=tail is not None,
             )  # fmt: skip
             decision = decide(first_token=first_token)
+            if echoes is not None and not echoes.complete and not (decision or CLEAN).degenerate:
+                continue  # a choice's echo is still to come: nothing of its answer seen
             if decision is not None and tail is not None and not decision.degenerate:
                 assert continuation is not None
                 if not tail.continuable or not await continuation.holds():

@@ -47,9 +47,11 @@ class GuardedRequest:
 
     @property
     def echoes_prompt(self) -> bool:
-        """The stream's first text is the prompt, echoed (completions' and chat's
-        ``echo``): it says nothing about the answer's health."""
-        return self.body.get("echo") is True
+        """Each choice's stream starts with the prompt, echoed (``ApiAdapter.echoes_prompt``);
+        a large body, whose last messages are not decoded, with ``echo`` is taken to."""
+        if self.spans is not None:
+            return self.body.get("echo") is True
+        return self.api.echoes_prompt(self.body)
 
     @property
     def endpoint(self) -> str:

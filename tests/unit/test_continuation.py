@@ -975,3 +975,76 @@ def test_a_failover_asks_its_own_backend_for_the_prompt_check() -> None:
             assert not continuation.needs_prompt_check(second)  # the model's rendering holds
 
     asyncio.run(scenario())
+
+
+# -- an echoed prompt ---------------------------------------------------------------
+
+
+def echo_chat(n: int, messages: list[dict[str, Any]]) -> Any:
+    from gateway.guard.request import parse_guarded
+
+    body = {"model": "m", "stream": True, "n": n, "echo": True, "messages": messages}
+    return parse_guarded("chat", orjson.dumps(body))
+
+
+def choice_event(index: int, **delta: str) -> bytes:
+    body = {"id": "c", "object": "chat.completion.chunk", "model": "m",
+            "choices": [{"index": index, "delta": delta, "finish_reason": None}]}  # fmt: skip
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def test_chat_echo_without_an_assistant_turn_is_not_taken_for_an_echo() -> None:
+    """vLLM's chat echoes only a trailing assistant message with content: with a
+    user's last message the first text is the answer, released at its first token as
+    without ``echo`` (it was held, its first text taken for an echo)."""
+
+    async def scenario() -> None:
+        from multidict import CIMultiDict
+
+        go_on = asyncio.Event()
+        rest = stream_of(" the settings page and click Save.")
+        script = Script([answers_then_pauses([chunk("Open")], rest, go_on)])
+        async with guard_with(script, stream=FIRST_TOKEN) as guard:
+            request = echo_chat(1, USER)
+            handling = asyncio.ensure_future(
+                guard.handle(request, CIMultiDict({"x-request-id": "r"}), started=0.0)
+            )
+            done, _ = await asyncio.wait({handling}, timeout=0.5)
+            go_on.set()
+            await relayed(await handling)
+            assert done, "held: the answer's first text was taken for an echo"
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_each_choices_echo_counts_for_nothing(n: int) -> None:
+    """With ``n`` choices each echoes the prompt, in its own read: every echo counts
+    for nothing (the second one counted as answer text and, with a prompt longer than
+    the ceiling, released the stream before its '!' run)."""
+    prompt = " ".join(f"word{i}" for i in range(200))  # 1,100 visible: over the ceiling
+    messages = [*USER, {"role": "assistant", "content": prompt}]
+    indexes = range(n)
+    events = [
+        *[choice_event(i, role="assistant", content="") for i in indexes],
+        *[choice_event(i, content=prompt) for i in indexes],
+        *[choice_event(i, content=" Sure") for i in indexes],
+    ]
+    bangs = [choice_event(0, content="!!!!") for _ in range(40)]
+    done = b"data: [DONE]\n\n"
+
+    async def scenario() -> None:
+        from multidict import CIMultiDict
+
+        script = Script([answers_stream([*events, *bangs, done], gap_s=0.01),
+                         answers_stream([*events, done])])  # fmt: skip
+        async with guard_with(script) as guard:
+            answer = await guard.handle(
+                echo_chat(n, messages), CIMultiDict({"x-request-id": "r"}), started=0.0
+            )
+            sent = await relayed(answer)
+            assert b"!!!!" not in sent
+            assert len(script.received) == 2  # retried whole
+            assert metric(guard, "vllm_guard_degenerate_delivered_total") == 0
+
+    asyncio.run(scenario())
