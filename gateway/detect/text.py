@@ -312,19 +312,29 @@ def repeat_start(text: str, max_unit: int) -> int:
     while at >= 0:
         period = n - overlap - at
         if _loop_unit_counts(text[n - period :]):
-            # Extend the periodic end backwards, in halving steps (slices, not
-            # characters): where does the repetition begin?
-            begin, step = n - overlap - period, 256
-            while step:
-                while (
-                    begin >= step
-                    and text[begin - step : begin] == text[begin - step + period : begin + period]
-                ):
-                    begin -= step
-                step //= 2
-            best = min(best, begin + period)
+            best = min(best, _periodic_from(text, n - overlap - period, period) + period)
         at = text.rfind(ending, lowest, at + overlap - 1) if at > lowest else -1
     return best
+
+
+def _periodic_from(text: str, begin: int, period: int) -> int:
+    """Where the stretch of ``text`` with period ``period`` that reaches ``begin`` from
+    the right starts: extended backwards in doubling steps, then halving ones (slices,
+    not characters). Prose stops at once: the character before already differs."""
+    step = 1
+    while (
+        begin >= step and text[begin - step : begin] == text[begin - step + period : begin + period]
+    ):
+        begin -= step
+        step *= 2
+    while step > 1:
+        step //= 2
+        if (
+            begin >= step
+            and text[begin - step : begin] == text[begin - step + period : begin + period]
+        ):
+            begin -= step
+    return begin
 
 
 def first_visible(parts: list[str]) -> str:
