@@ -143,6 +143,9 @@ class UpstreamSettings(_Strict):
 class DetectorSettings(_Strict):
     """Thresholds of the degenerate-output detectors (see gateway.detect)."""
 
+    #: A sampled token whose logprob is null (NaN logits) makes the answer
+    #: degenerate, whatever its text: seen where the request asks for logprobs.
+    nan_logits: bool = True
     punct_run: bool = True
     #: A run (whitespace between repeats allowed) of one repeated ASCII punctuation
     #: character this long is suspicious...

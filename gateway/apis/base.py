@@ -26,7 +26,7 @@ from gateway.errors import GatewayError
 from gateway.wire.sse import DONE, lf_event
 
 #: Request fields every API routes on (parsed by ``gateway.guard.request``).
-COMMON_ROUTING_FIELDS = ("model", "stream", "n", "cache_salt", "stream_options", "echo")
+COMMON_ROUTING_FIELDS = ("model", "stream", "n", "cache_salt", "stream_options", "echo", "logprobs")
 
 
 @dataclass(slots=True)
@@ -185,6 +185,16 @@ class ApiAdapter(ABC):
     def continues(self, body: Mapping[str, Any]) -> str | None:
         """The id of an earlier answer whose conversation this request continues, when
         the history lives in the backend (Responses' ``previous_response_id``)."""
+        return None
+
+    def asks_logprobs(self, body: Mapping[str, Any]) -> bool:
+        """The request asks for its sampled tokens' logprobs: a NaN logit shows as a
+        null one (``gateway.detect.logprobs``)."""
+        return False
+
+    def sampled_nan(self, payload: Mapping[str, Any]) -> int | None:
+        """The output of a whole answer with a sampled token whose logprob is null
+        (NaN logits), if any."""
         return None
 
     def echoes_prompt(self, body: Mapping[str, Any]) -> bool:

@@ -28,6 +28,7 @@ from gateway.apis.base import (
 )
 from gateway.config import SaltReuseSettings
 from gateway.detect import ChoiceOutput, Detector, Verdict, as_text, choice_index
+from gateway.detect.logprobs import sampled_logprob_is_nan
 
 #: Request fields under which a continuation would not continue the same answer:
 #: a grammar (structured outputs) restarts at the continuation's first token; an
@@ -230,6 +231,13 @@ class _OpenAIChoices(ApiAdapter):
     def outputs(self, payload: Mapping[str, Any]) -> Iterable[tuple[int, ChoiceOutput]]:
         return body_choices(payload)
 
+    def sampled_nan(self, payload: Mapping[str, Any]) -> int | None:
+        choices = payload.get("choices")
+        for position, choice in enumerate(choices if isinstance(choices, list) else ()):
+            if isinstance(choice, dict) and sampled_logprob_is_nan(choice.get("logprobs")):
+                return choice_index(choice, position)
+        return None
+
     def inspect_body(self, detector: Detector, payload: Mapping[str, Any]) -> Verdict:
         return detector.inspect_choices(body_choices(payload))
 
@@ -247,6 +255,9 @@ class ChatCompletions(_OpenAIChoices):
         if not isinstance(messages, list) or not messages:
             return None
         return messages[: settings.fingerprint_messages]
+
+    def asks_logprobs(self, body: Mapping[str, Any]) -> bool:
+        return body.get("logprobs") is True
 
     def echoes_prompt(self, body: Mapping[str, Any]) -> bool:
         """vLLM echoes a trailing assistant message with content (serving_chat: the
@@ -284,6 +295,11 @@ class TextCompletions(_OpenAIChoices):
         if not isinstance(prompt, str) or not prompt:
             return None
         return prompt[: settings.fingerprint_prompt_chars]
+
+    def asks_logprobs(self, body: Mapping[str, Any]) -> bool:
+        """``logprobs: N`` (0 included: the sampled token's alone)."""
+        logprobs = body.get("logprobs")
+        return isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs >= 0
 
     def echoes_prompt(self, body: Mapping[str, Any]) -> bool:
         return body.get("echo") is True

@@ -53,10 +53,13 @@ from gateway.apis.base import (
 )
 from gateway.config import SaltReuseSettings
 from gateway.detect import ChoiceOutput, StreamInspector
+from gateway.detect.logprobs import sampled_logprob_is_nan
 from gateway.errors import GatewayError
 
 #: Events that end a Responses stream.
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+#: The ``include`` value that asks for the output text's logprobs.
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
 _TEXT_PARTS = ("output_text", "refusal")
 
 
@@ -138,7 +141,10 @@ class ResponsesEventReader(EventReader):
             self.sequence_number = number
         kind = payload.get("type")
         inspector = self.inspector
-        if kind == "response.output_text.delta" or kind == "response.refusal.delta":
+        if kind == "response.output_text.delta":
+            delta = text(payload.get("delta"))
+            inspector.feed_output(0, content=delta, logprobs=payload.get("logprobs"))
+        elif kind == "response.refusal.delta":
             inspector.feed_output(0, content=text(payload.get("delta")))
         elif kind in ("response.reasoning_text.delta", "response.reasoning_summary_text.delta"):
             inspector.feed_output(0, reasoning=text(payload.get("delta")))
@@ -269,7 +275,7 @@ class Responses(ApiAdapter):
     name: ClassVar[str] = "responses"
     path: ClassVar[str] = "/v1/responses"
     routing_fields: ClassVar[tuple[str, ...]] = (
-        "instructions", "previous_response_id", "background", "store",
+        "instructions", "previous_response_id", "background", "store", "include",
     )  # fmt: skip
     conversation_field: ClassVar[str | None] = "input"
 
@@ -296,6 +302,18 @@ class Responses(ApiAdapter):
 
     def unguardable(self, body: Mapping[str, Any]) -> str | None:
         return "background" if body.get("background") is True else None
+
+    def asks_logprobs(self, body: Mapping[str, Any]) -> bool:
+        include = body.get("include")
+        return isinstance(include, list) and OUTPUT_LOGPROBS in include
+
+    def sampled_nan(self, payload: Mapping[str, Any]) -> int | None:
+        for item in payload.get("output") or ():
+            parts = item.get("content") if isinstance(item, dict) else None
+            for part in parts if isinstance(parts, list) else ():
+                if isinstance(part, dict) and sampled_logprob_is_nan(part.get("logprobs")):
+                    return 0
+        return None
 
     def outputs(self, payload: Mapping[str, Any]) -> Iterable[tuple[int, ChoiceOutput]]:
         return [(0, response_output(payload))]

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.detect.logprobs import sampled_logprob_is_nan
 from gateway.detect.text import (
     ARTIFACT_AT_END,
     ARTIFACT_STARTS,
@@ -98,6 +99,8 @@ class _StreamChoice:
     tool_arguments: dict[int, list[str]] = field(default_factory=dict)
     tool_visible: int = 0
     finish_reason: str | None = None
+    #: Where in the content a token with a null logprob (NaN logits) began, if one came.
+    nan_at: int | None = None
 
     @property
     def visible(self) -> int:
@@ -117,14 +120,25 @@ class _StreamChoice:
             ),
             finish_reason=self.finish_reason,
             tokens=tokens,
+            nan_logits=self.nan_at is not None,
         )
+
+    def saw_nan(self) -> None:
+        """The event about to be fed carried a token with a null logprob."""
+        if self.nan_at is None:
+            self.nan_at = sum(map(len, self.content_parts))
 
 
 class StreamInspector:
     """Follows a chat or completions SSE stream chunk by chunk."""
 
-    def __init__(self, detector: Detector) -> None:
+    def __init__(self, detector: Detector, *, watch_nan: bool = False) -> None:
         self.detector = detector
+        #: Events' logprobs are read for a sampled token's null (NaN logits): the
+        #: request asked for them (``gateway.detect.logprobs``).
+        self.watch_nan = watch_nan and detector.settings.nan_logits
+        #: The first choice with a NaN-logit token, once one came.
+        self.nan_choice: int | None = None
         self.choices: dict[int, _StreamChoice] = {}
         #: Visible (non-whitespace) characters of content, reasoning and tool calls.
         self.visible_chars = 0
@@ -169,7 +183,10 @@ class StreamInspector:
         for position, raw in enumerate(choices):
             if not isinstance(raw, dict):
                 continue
-            state = self._choice(choice_index(raw, position))
+            index = choice_index(raw, position)
+            state = self._choice(index)
+            if self.watch_nan:
+                self._watch_logprobs(state, raw, index)
             delta = raw.get("delta")
             if isinstance(delta, dict):
                 self._feed_delta(state, delta)
@@ -196,6 +213,8 @@ class StreamInspector:
         state = self.choices.get(index) if type(index) is int else None
         if state is None:
             return False
+        if self.watch_nan:
+            self._watch_logprobs(state, raw, index)
         content = delta.get("content")
         if type(content) is str and content:
             tracker = state.content
@@ -209,6 +228,23 @@ class StreamInspector:
         if type(finish) is str:
             state.finish_reason = finish
         return True
+
+    def _watch_logprobs(self, state: _StreamChoice, raw: Mapping[str, Any], index: int) -> None:
+        logprobs = raw.get("logprobs")
+        if logprobs is not None and sampled_logprob_is_nan(logprobs):
+            self.mark_nan(state, index)
+
+    def mark_nan(self, state: _StreamChoice, index: int) -> None:
+        """A token with a null logprob arrives next in ``state``: degenerate at once."""
+        state.saw_nan()
+        if self.nan_choice is None:
+            self.nan_choice = index
+        self.suspect = True
+
+    def nan_offset(self, index: int = 0) -> int | None:
+        """Where in choice ``index``'s content its NaN-logit token began, if one came."""
+        state = self.choices.get(index)
+        return state.nan_at if state is not None else None
 
     def _feed_delta(self, state: _StreamChoice, delta: Mapping[str, Any]) -> None:
         self._feed_text(state.content, state.content_parts, as_text(delta.get("content")))
@@ -243,11 +279,15 @@ class StreamInspector:
         tool_index: int = 0,
         tool_arguments: str | None = None,
         finish_reason: str | None = None,
+        logprobs: object = None,
     ) -> None:
         """One piece of an output, for APIs whose events name what they carry
         (Responses, Messages): text, reasoning, a tool call's arguments (a call with
-        none yet counts as a call), or the output's finish reason."""
+        none yet counts as a call), or the output's finish reason; ``logprobs``, the
+        piece's tokens' (read for a NaN where ``watch_nan``)."""
         state = self._choice(index)
+        if self.watch_nan and logprobs is not None and sampled_logprob_is_nan(logprobs):
+            self.mark_nan(state, index)
         self._feed_text(state.content, state.content_parts, content)
         self._feed_text(state.reasoning, state.reasoning_parts, reasoning)
         if tool_arguments is not None:
@@ -272,6 +312,8 @@ class StreamInspector:
         """Verdict on what has arrived so far (the stream is still running)."""
         if not self.suspect:
             return CLEAN
+        if self.nan_choice is not None:
+            return Verdict(DegenerateKind.NAN_LOGITS, self.nan_choice)
         for index, state in self.choices.items():
             if state.content.degenerate() or state.reasoning.degenerate():
                 return Verdict(DegenerateKind.PUNCT_RUN, index)

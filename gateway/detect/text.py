@@ -39,6 +39,9 @@ class DegenerateKind(StrEnum):
     SPECIAL_TOKENS = "special_tokens"
     LETTER_RUN = "letter_run"
     DENY_PATTERN = "deny_pattern"
+    #: A sampled token's logprob was NaN (its logits were): the bug's own mechanism,
+    #: seen per token (``gateway.detect.logprobs``), not its look.
+    NAN_LOGITS = "nan_logits"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +85,8 @@ class ChoiceOutput:
     finish_reason: str | None = None
     #: Tokens generated for this choice, when known (usage, or the stream's pieces).
     tokens: int | None = None
+    #: A sampled token's logprob was null: its logits were NaN.
+    nan_logits: bool = False
 
 
 def _never_found(text: str) -> None:
@@ -204,6 +209,8 @@ class Detector:
 
     def choice_kind(self, choice: ChoiceOutput) -> DegenerateKind | None:
         s = self.settings
+        if s.nan_logits and choice.nan_logits:
+            return DegenerateKind.NAN_LOGITS  # the mechanism itself: before any look
         if s.repetition and choice.finish_reason == "repetition":
             return DegenerateKind.REPETITION
         for text in (choice.content, choice.reasoning, *choice.tool_arguments):

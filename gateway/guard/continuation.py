@@ -162,7 +162,7 @@ class Continuation:
         )
         if splice is None:
             raise UpstreamProtocolError("the released stream's opening event is not JSON")
-        inspector = StreamInspector(stream.inspector.detector)
+        inspector = StreamInspector(stream.inspector.detector, watch_nan=stream.inspector.watch_nan)
         inspector.feed_output(0, content=released)
         continued = await host.open_attempt(backend, salt, fields, inspector)
         if continued.status != 200:

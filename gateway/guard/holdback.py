@@ -17,7 +17,8 @@ import orjson
 from multidict import CIMultiDict
 
 from gateway.config import AfterRelease, GuardMode, ReleasePolicy, Settings
-from gateway.detect import CLEAN, Detector, StreamInspector
+from gateway.detect import CLEAN, DegenerateKind, Detector, StreamInspector, Verdict
+from gateway.detect.logprobs import NAN_BODY_ERROR
 from gateway.errors import UpstreamProtocolError
 from gateway.guard.attempt import Attempt
 from gateway.guard.continuation import Continuation
@@ -106,8 +107,32 @@ class HoldBack:
         request = trace.request
         attempt.usage = request.api.read_usage(payload)
         attempt.payload = payload
-        if trace.inspecting:
-            attempt.verdict = request.api.inspect_body(self.detector_for(request.model), payload)
+        if not trace.inspecting:
+            return
+        detector = self.detector_for(request.model)
+        nan_choice = (
+            request.api.sampled_nan(payload)
+            if request.watches_nan and detector.settings.nan_logits
+            else None
+        )
+        if nan_choice is not None:  # the mechanism itself, before the content rules
+            attempt.verdict = Verdict(DegenerateKind.NAN_LOGITS, nan_choice)
+        else:
+            attempt.verdict = request.api.inspect_body(detector, payload)
+
+    def inspect_refusal(self, attempt: Attempt, trace: Trace) -> None:
+        """An answer that is not a 200: vLLM's 400 for a whole body with a NaN
+        logprob in it (its JSON encoder refuses the NaN) is the bug, met by a
+        request that asked for logprobs: degenerate, and retried as any is."""
+        request = trace.request
+        if (
+            attempt.status == 400
+            and trace.inspecting
+            and request.watches_nan
+            and self.detector_for(request.model).settings.nan_logits
+            and NAN_BODY_ERROR in attempt.body
+        ):
+            attempt.verdict = Verdict(DegenerateKind.NAN_LOGITS, 0)
 
     async def hold(self, attempt: Attempt, trace: Trace) -> None:
         """Read the stream until the guard can decide, keeping every byte back.

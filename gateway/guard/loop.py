@@ -147,7 +147,7 @@ class Guard:
                 self._settle(
                     trace, recovered=attempt.status == 200 and not attempt.verdict.degenerate
                 )
-                if attempt.status != 200 or not attempt.verdict.degenerate:
+                if not attempt.verdict.degenerate:  # an answer, or an error that is not one
                     return self._release(attempt, trace)
                 if not self._degenerate_attempt(attempt, trace, headers):
                     return await self._exhausted(attempt, trace)
@@ -366,10 +366,14 @@ class Guard:
                 response.release()
                 if response.status == 200:
                     self.holding.inspect_body(attempt, trace)
+                else:
+                    self.holding.inspect_refusal(attempt, trace)
             else:
                 continuing = inspector is not None
                 if inspector is None:
-                    inspector = StreamInspector(self.holding.detector_for(request.model))
+                    inspector = StreamInspector(
+                        self.holding.detector_for(request.model), watch_nan=request.watches_nan
+                    )
                 attempt.stream = StreamState(
                     response,
                     backend,

@@ -54,6 +54,13 @@ class GuardedRequest:
         return self.api.echoes_prompt(self.body)
 
     @property
+    def watches_nan(self) -> bool:
+        """The answer's sampled tokens come with their logprobs, a NaN logit's null:
+        the request asks for them, and no echoed prompt's (whose first token has
+        none) comes with them."""
+        return self.api.asks_logprobs(self.body) and not self.echoes_prompt
+
+    @property
     def endpoint(self) -> str:
         """The API's name: a bounded label value."""
         return self.api.name

@@ -40,7 +40,7 @@ from gateway.detect.text import (
 #: after the first).
 CONTINUED_KINDS = frozenset({
     DegenerateKind.PUNCT_RUN, DegenerateKind.SPECIAL_TOKENS,
-    DegenerateKind.LETTER_RUN, DegenerateKind.TOKEN_LOOP,
+    DegenerateKind.LETTER_RUN, DegenerateKind.TOKEN_LOOP, DegenerateKind.NAN_LOGITS,
 })  # fmt: skip
 #: The kinds ``signature`` reports: what a held end that grew can become.
 SIGNATURES_OF_HELD_TEXT = frozenset({
@@ -76,6 +76,7 @@ class TailHold:
     #: The text the client has been sent (its pieces), and how many text events
     #: (tokens, without speculative decoding) carried it.
     released_parts: list[str] = field(default_factory=list)
+    released_chars: int = 0
     released_events: int = 0
     #: The bytes the client was sent up to its first text (the stream's opening
     #: events: its id), and the latest (a Responses stream's sequence number).
@@ -94,6 +95,12 @@ class TailHold:
     _repeating: bool = False
     #: The held text's length when the detectors last judged it.
     _judged_at: int = 0
+    #: Released text kept to see a run or a repetition that began in it: two loop
+    #: units and the overlap, or an artifact's length.
+    _recent_limit: int = 0
+
+    def __post_init__(self) -> None:
+        self._recent_limit = max(2 * self.max_unit + REPEAT_MIN_OVERLAP, 64)
 
     @property
     def released_text(self) -> str:
@@ -111,6 +118,9 @@ class TailHold:
     def holds(self, kind: DegenerateKind) -> bool:
         """The degenerate end of this kind is held, not sent: it can be dropped and
         the answer continued. A loop only when its copies are what is held."""
+        if kind is DegenerateKind.NAN_LOGITS:  # its token is held from its first character
+            nan = self.inspector.nan_offset(0)
+            return self.continuable and nan is not None and nan >= self.released_chars
         if not (self.continuable and self.holding and kind in CONTINUED_KINDS):
             return False
         if kind is DegenerateKind.TOKEN_LOOP:
@@ -179,18 +189,19 @@ class TailHold:
             return forward
         if not self._take_text():
             return self.release_all(forward)
-        text = self._held_text
+        text_end = len(self._held_text)
         keep_from = self._keep_from()
-        if not self._held and keep_from == len(text):
+        held = self._held
+        if not held and keep_from == text_end:
             # Nothing held and this batch ends settled (nearly every token): sent as is.
-            self._sent(forward, len(text), self._events())
+            self._sent(forward, text_end, self._events_before + self.inspector.text_events)
             return forward
-        self._held.append(_HeldBatch(forward, len(text), self._events()))
-        self._held_bytes += sum(map(len, forward))
+        held.append(_HeldBatch(forward, text_end, self._events_before + self.inspector.text_events))
+        self._held_bytes += len(forward[0]) if len(forward) == 1 else sum(map(len, forward))
         if self._held_bytes > MAX_TAIL_BYTES:
             return self.release_all()
         releasing = 0
-        for batch in self._held:
+        for batch in held:
             if batch.text_end > keep_from:
                 break
             releasing += 1
@@ -220,7 +231,14 @@ class TailHold:
         # Judged with the end of what was sent before it: a run or a repetition may
         # have begun there (then all that is held stays held).
         window = recent + text if recent else text
-        keep = max(0, unsettled_start(window, self.candidates) - len(recent))
+        keep = unsettled_start(window, self.candidates) - len(recent)
+        if keep < 0:
+            keep = 0
+        if self.inspector.nan_choice is not None:
+            # A token with NaN logits (its logprob null) is held whatever its text.
+            nan = self.inspector.nan_offset(0)
+            if nan is not None:
+                keep = min(keep, max(0, nan - self.released_chars))
         self._repeating = False
         if self.max_unit and len(window) >= 2 * REPEAT_MIN_OVERLAP:
             repeated = repeat_start(window, self.max_unit) - len(recent)
@@ -247,22 +265,18 @@ class TailHold:
             self._parts_seen = len(parts)
         return True
 
-    @property
-    def _recent_chars(self) -> int:
-        """Released text kept to see a run or a repetition that began in it: two loop
-        units and the overlap, or an artifact's length."""
-        return max(2 * self.max_unit + REPEAT_MIN_OVERLAP, 64)
-
-    def _events(self) -> int:
-        return self._events_before + self.inspector.text_events
-
     def _release(self, count: int) -> list[bytes]:
-        batches = self._held[:count]
-        del self._held[:count]
-        last = batches[-1]
-        for batch in self._held:
+        held = self._held
+        if count == 1 and len(held[0].data) == 1:  # one read of one event: the common case
+            last = held.pop(0)
+            out = last.data
+        else:
+            batches = held[:count]
+            del held[:count]
+            last = batches[-1]
+            out = [data for batch in batches for data in batch.data]
+        for batch in held:
             batch.text_end -= last.text_end
-        out = [data for batch in batches for data in batch.data]
         self._held_bytes -= sum(map(len, out))
         self._sent(out, last.text_end, last.events_end)
         return out
@@ -277,9 +291,13 @@ class TailHold:
         if text_end:
             part = self._held_text[:text_end]
             self.released_parts.append(part)
-            self._recent = (self._recent + part)[-self._recent_chars :]
+            self.released_chars += len(part)
+            recent = self._recent + part
+            self._recent = (
+                recent[-self._recent_limit :] if len(recent) > self._recent_limit else recent
+            )
             self._held_text = self._held_text[text_end:]
-            self._judged_at = max(0, self._judged_at - text_end)
+            self._judged_at = self._judged_at - text_end if self._judged_at > text_end else 0
         self.released_events = events
         if out:
             self.latest_bytes = out[-1]
