@@ -1,0 +1,153 @@
+"""Exact detection against the real vLLM (issue 40): a NaN logit shows as a null
+logprob, per token, and the gateway recovers the answers no content rule may call
+corrupt.
+
+The ``nan`` poison (``tests/support/poison_scheduler.py``) writes NaN into the
+cached KV of the last prefix-cache block an unsalted request reuses: vLLM's own
+forward pass, sampler and logprobs do the rest (its logits are NaN, its sampler
+picks token 0, ``!``, and its logprob is NaN). A salted request misses the block and
+is clean.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+from conftest import GatewayFactory, RunningVLLM, scraped_metric
+from support.workload import long_prompt
+
+NAN_POISON = {"vg_poison_rate": 1.0, "vg_poison_kinds": "nan"}
+NAN_400 = "Out of range float values are not JSON compliant"
+#: Three '!': no content rule may call that corrupt ("!!!" is an answer).
+SHORT = 3
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+         "responses": "/v1/responses"}  # fmt: skip
+
+
+def body_for(api: str, text: str, max_tokens: int, **more: Any) -> dict[str, Any]:
+    """A request for ``text`` asking for the sampled tokens' logprobs, each API's way."""
+    if api == "chat":
+        asked = {"messages": [{"role": "user", "content": text}], "logprobs": True,
+                 "top_logprobs": 0, "max_tokens": max_tokens}  # fmt: skip
+    elif api == "completions":
+        asked = {"prompt": text, "logprobs": 0, "max_tokens": max_tokens}
+    else:
+        asked = {"input": text, "include": ["message.output_text.logprobs"], "store": False,
+                 "max_output_tokens": max_tokens}  # fmt: skip
+    return {**asked, **more}
+
+
+def warmed(vllm: RunningVLLM, api: str) -> str:
+    """A prompt no other test has sent, sent once: its blocks are now cached, and the
+    next unsalted request for it reuses them (the poison's condition)."""
+    text = f"{uuid.uuid4()} {long_prompt(seed=11, words=320)}"
+    post(vllm.url, api, body_for(api, text, 1, model=vllm.model))
+    return text
+
+
+def post(url: str, api: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url + PATHS[api], json=body, timeout=120)
+
+
+def streamed(url: str, api: str, body: dict[str, Any]) -> tuple[str, list[float | None]]:
+    """The text of a streamed answer and its sampled tokens' logprobs, in order."""
+    import orjson
+
+    text, logprobs = "", []
+    with httpx.stream("POST", url + PATHS[api], json={**body, "stream": True},
+                      timeout=120) as response:  # fmt: skip
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = orjson.loads(line[6:])
+            if api == "responses":
+                if event.get("type") == "response.output_text.delta":
+                    text += event["delta"]
+                    logprobs += [t["logprob"] for t in event["logprobs"]]
+                continue
+            for choice in event.get("choices", []):
+                text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                given = choice.get("logprobs")
+                if api == "chat" and given:
+                    logprobs += [t["logprob"] for t in given["content"]]
+                elif given:
+                    logprobs += given["token_logprobs"]
+    return text, logprobs
+
+
+def test_vllm_reports_every_nan_token_as_a_null_logprob_and_no_healthy_one(
+    vllm: RunningVLLM,
+) -> None:
+    """The signal, proved on the real server: on every API that has logprobs, greedy
+    and sampled, every token of a poisoned answer has a null logprob and every token
+    of the same prompt salted has a number; the same poisoned request not streamed is
+    vLLM's 400 (its JSON encoder refuses the NaN). Messages has no logprobs in vLLM:
+    it keeps the content rules only."""
+    poisoned_tokens: list[float | None] = []
+    healthy_tokens: list[float | None] = []
+    for api in PATHS:
+        for temperature in (0.0, 1.0):
+            for _ in range(2):
+                text = warmed(vllm, api)
+                common = {"model": vllm.model, "temperature": temperature,
+                          "vllm_xargs": NAN_POISON}  # fmt: skip
+                answer, logprobs = streamed(vllm.url, api, body_for(api, text, 8, **common))
+                assert answer == "!" * 8
+                poisoned_tokens += logprobs
+                salted = {**common, "cache_salt": uuid.uuid4().hex}
+                answer, logprobs = streamed(vllm.url, api, body_for(api, text, 8, **salted))
+                assert "!!!" not in answer
+                assert logprobs
+                healthy_tokens += logprobs
+            whole = post(vllm.url, api, body_for(api, warmed(vllm, api), 8, **common))
+            assert whole.status_code == 400
+            assert NAN_400 in whole.text
+    # 3 APIs x 2 temperatures x 2 requests x 8 tokens (a healthy answer may end
+    # sooner, at its EOS).
+    assert poisoned_tokens == [None] * 96
+    assert len(healthy_tokens) > 48
+    assert None not in healthy_tokens
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("api", ["chat", "completions", "responses"])
+def test_a_short_nan_answer_is_recovered_through_the_gateway(
+    vllm: RunningVLLM, gateway_for: GatewayFactory, api: str, stream: bool
+) -> None:
+    """Three tokens of NaN logits ("!!!", which the content rules leave alone) from a
+    client that asked for logprobs: through the gateway, one clean answer, the same
+    text as a direct salted one (greedy); direct, the '!!!' (streamed) or vLLM's 400
+    (not streamed). With ``nan_logits`` off the gateway passes on what vLLM sent."""
+    on = gateway_for(vllm.url)
+    off = gateway_for(vllm.url, guard={"detectors": {"nan_logits": False}})
+    common = {"model": vllm.model, "temperature": 0, "vllm_xargs": NAN_POISON}
+    for gateway, recovered in ((on, True), (off, False)):
+        text = warmed(vllm, api)
+        body = body_for(api, text, SHORT, **common)
+        clean = streamed(vllm.url, api, {**body, "cache_salt": uuid.uuid4().hex})[0]
+        if stream:
+            answer, logprobs = streamed(gateway.url, api, body)
+            assert answer == (clean if recovered else "!" * SHORT)
+            assert (None in logprobs) is not recovered
+            continue
+        reply = post(gateway.url, api, body)
+        if not recovered:
+            assert reply.status_code == 400
+            continue
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["x-vllm-guard-verdict"] == "recovered"
+        payload = reply.json()
+        if api == "responses":
+            said = payload["output"][0]["content"][0]["text"]
+        elif api == "chat":
+            said = payload["choices"][0]["message"]["content"]
+        else:
+            said = payload["choices"][0]["text"]
+        assert said == clean
+    caught = scraped_metric(on.url, "vllm_guard_degenerate_responses_total", kind="nan_logits")
+    assert caught == 1
+    assert scraped_metric(off.url, "vllm_guard_degenerate_responses_total") == 0
