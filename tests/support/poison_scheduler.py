@@ -203,7 +203,26 @@ class PoisonScheduler(AsyncScheduler):
                     poisoned.append(block)
         if poisoned:
             output.vg_nan_blocks = poisoned
+        fresh = self._fresh_blocks(output)
+        if fresh:
+            output.vg_fresh_blocks = fresh
         return output
+
+    def _fresh_blocks(self, output: Any) -> list[int]:
+        """The blocks this step hands to a request for KV it has yet to compute (not
+        its prefix-cache hits): the worker clears them when a NaN may have been left
+        in them (``PoisonWorker``). A preempted request that resumes is left out (its
+        new blocks include its hits, which may hold the poison on purpose)."""
+        size = int(self.block_size)
+        fresh = []
+        for new in output.scheduled_new_reqs:
+            group = new.block_ids[0] if new.block_ids else []
+            fresh += [int(block) for block in group[int(new.num_computed_tokens) // size :]]
+        cached = output.scheduled_cached_reqs
+        for req_id, blocks in zip(cached.req_ids, cached.new_block_ids, strict=False):
+            if blocks and req_id not in cached.resumed_req_ids:
+                fresh += [int(block) for block in blocks[0]]
+        return fresh
 
     def _last_reused_block(self, block_ids: Any, cached_tokens: int) -> int | None:
         blocks = cached_tokens // int(self.block_size)
@@ -271,15 +290,30 @@ class PoisonScheduler(AsyncScheduler):
 
 class PoisonWorker(CPUWorker):
     """vLLM's CPU worker, which writes NaN into the KV cache blocks the scheduler named
-    (``vg_nan_blocks``) before it runs the step: the ``nan`` poison."""
+    (``vg_nan_blocks``) before it runs the step: the ``nan`` poison.
+
+    Once it has, a block freed and handed to another request may still hold NaN in
+    the slots that request has not written yet, and this CPU build's attention reads
+    a block's slots past the sequence's end in whole tiles (masked, but a masked
+    score times a NaN value is NaN): a clean, salted request turned to '!' part-way.
+    GPU kernels never read those slots, so the worker clears every block a request
+    gets fresh (``vg_fresh_blocks``) before the step that writes it: the poison stays
+    where the model puts it (the cached chain), and nowhere else."""
+
+    _nan_written = False
 
     def execute_model(self, scheduler_output: Any) -> Any:
         blocks = getattr(scheduler_output, "vg_nan_blocks", None)
-        if blocks:
+        fresh = getattr(scheduler_output, "vg_fresh_blocks", None)
+        if blocks or (fresh and self._nan_written):
             caches = _kv_caches(self.vllm_config)
             if not caches:
                 log.error("PoisonWorker: no KV cache found; 'nan' poisons nothing")
+            clear = fresh if fresh and self._nan_written else []
             for kv in caches:
-                for block in blocks:
+                for block in clear:
+                    kv[block].zero_()
+                for block in blocks or ():
                     kv[block].fill_(float("nan"))
+            self._nan_written = self._nan_written or bool(blocks)
         return super().execute_model(scheduler_output)
