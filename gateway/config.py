@@ -63,6 +63,13 @@ class BackendSettings(_Strict):
     #: Most addresses taken from the name (slots ``<name>-0`` ... ``-<max-1>``: the
     #: backend label's values stay a bounded set).
     max_replicas: Annotated[int, Field(ge=1, le=256)] = 32
+    #: Ask this backend for every guarded answer's sampled-token logprobs (chat,
+    #: completions, Responses): a NaN logit is then seen exactly on every answer,
+    #: not only where the client asked (``detectors.nan_logits``). What the client
+    #: did not ask for is taken out again, byte for byte; the cost is in
+    #: BENCHMARKS.md (vLLM computes and writes a logprob per token, and the gateway
+    #: reads every event's JSON).
+    ask_logprobs: bool = False
 
     @field_validator("url")
     @classmethod

@@ -26,7 +26,9 @@ from gateway.errors import GatewayError
 from gateway.wire.sse import DONE, lf_event
 
 #: Request fields every API routes on (parsed by ``gateway.guard.request``).
-COMMON_ROUTING_FIELDS = ("model", "stream", "n", "cache_salt", "stream_options", "echo", "logprobs")
+COMMON_ROUTING_FIELDS = (
+    "model", "stream", "n", "cache_salt", "stream_options", "echo", "logprobs", "top_logprobs",
+)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -191,6 +193,16 @@ class ApiAdapter(ABC):
         """The request asks for its sampled tokens' logprobs: a NaN logit shows as a
         null one (``gateway.detect.logprobs``)."""
         return False
+
+    def logprobs_ask(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The fields that ask for the sampled tokens' logprobs, for a request that
+        does not ask already (None: it does, or this API has none)."""
+        return None
+
+    def strip_logprobs(self, raw: bytes) -> bytes:
+        """An event or body as vLLM writes it without the logprobs ``logprobs_ask``
+        asked for (``gateway.wire.logprobs``)."""
+        return raw
 
     def sampled_nan(self, payload: Mapping[str, Any]) -> int | None:
         """The output of a whole answer with a sampled token whose logprob is null

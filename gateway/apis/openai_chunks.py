@@ -29,6 +29,7 @@ from gateway.apis.base import (
 from gateway.config import SaltReuseSettings
 from gateway.detect import ChoiceOutput, Detector, Verdict, as_text, choice_index
 from gateway.detect.logprobs import sampled_logprob_is_nan
+from gateway.wire.logprobs import strip_choice_logprobs
 
 #: Request fields under which a continuation would not continue the same answer:
 #: a grammar (structured outputs) restarts at the continuation's first token; an
@@ -231,6 +232,9 @@ class _OpenAIChoices(ApiAdapter):
     def outputs(self, payload: Mapping[str, Any]) -> Iterable[tuple[int, ChoiceOutput]]:
         return body_choices(payload)
 
+    def strip_logprobs(self, raw: bytes) -> bytes:
+        return strip_choice_logprobs(raw)
+
     def sampled_nan(self, payload: Mapping[str, Any]) -> int | None:
         choices = payload.get("choices")
         for position, choice in enumerate(choices if isinstance(choices, list) else ()):
@@ -258,6 +262,13 @@ class ChatCompletions(_OpenAIChoices):
 
     def asks_logprobs(self, body: Mapping[str, Any]) -> bool:
         return body.get("logprobs") is True
+
+    def logprobs_ask(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        """``top_logprobs: 0``: the sampled token's alone. Not where the client sent
+        ``top_logprobs`` itself (without ``logprobs`` that is vLLM's 400 to give)."""
+        if self.asks_logprobs(body) or body.get("top_logprobs") is not None:
+            return None
+        return {"logprobs": True, "top_logprobs": 0}
 
     def echoes_prompt(self, body: Mapping[str, Any]) -> bool:
         """vLLM echoes a trailing assistant message with content (serving_chat: the
@@ -300,6 +311,9 @@ class TextCompletions(_OpenAIChoices):
         """``logprobs: N`` (0 included: the sampled token's alone)."""
         logprobs = body.get("logprobs")
         return isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs >= 0
+
+    def logprobs_ask(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        return None if body.get("logprobs") is not None else {"logprobs": 0}
 
     def echoes_prompt(self, body: Mapping[str, Any]) -> bool:
         return body.get("echo") is True

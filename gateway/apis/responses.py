@@ -55,6 +55,7 @@ from gateway.config import SaltReuseSettings
 from gateway.detect import ChoiceOutput, StreamInspector
 from gateway.detect.logprobs import sampled_logprob_is_nan
 from gateway.errors import GatewayError
+from gateway.wire.logprobs import strip_response_logprobs
 
 #: Events that end a Responses stream.
 TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -306,6 +307,17 @@ class Responses(ApiAdapter):
     def asks_logprobs(self, body: Mapping[str, Any]) -> bool:
         include = body.get("include")
         return isinstance(include, list) and OUTPUT_LOGPROBS in include
+
+    def logprobs_ask(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        include = body.get("include")
+        if include is None:
+            return {"include": [OUTPUT_LOGPROBS]}
+        if not isinstance(include, list) or OUTPUT_LOGPROBS in include:
+            return None
+        return {"include": [*include, OUTPUT_LOGPROBS]}
+
+    def strip_logprobs(self, raw: bytes) -> bytes:
+        return strip_response_logprobs(raw)
 
     def sampled_nan(self, payload: Mapping[str, Any]) -> int | None:
         for item in payload.get("output") or ():

@@ -151,6 +151,11 @@ class StreamInspector:
         #: a token each without speculative decoding (a continuation's token count).
         self.text_events = 0
 
+    def watch_logprobs(self) -> None:
+        """From here on events' logprobs are read for a NaN logit (the attempt asked
+        for them)."""
+        self.watch_nan = self.detector.settings.nan_logits
+
     def _choice(self, index: int) -> _StreamChoice:
         state = self.choices.get(index)
         if state is None:

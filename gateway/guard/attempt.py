@@ -32,6 +32,9 @@ class Attempt:
     #: The rolling hold-back of a stream the guard may continue: it owns what is
     #: sent from the stream's first byte (``gateway.guard.tail``).
     tail: TailHold | None = None
+    #: The gateway asked for the sampled tokens' logprobs the client did not: they
+    #: are judged (NaN logits) and taken out of what the client gets.
+    asked_logprobs: bool = False
 
     def output_text(self, api: ApiAdapter) -> str:
         """What the degenerate choice said (content, else reasoning, else tool args)."""

@@ -110,11 +110,14 @@ class HoldBack:
         if not trace.inspecting:
             return
         detector = self.detector_for(request.model)
+        watches_nan = request.watches_nan or attempt.asked_logprobs
         nan_choice = (
             request.api.sampled_nan(payload)
-            if request.watches_nan and detector.settings.nan_logits
+            if watches_nan and detector.settings.nan_logits
             else None
         )
+        if attempt.asked_logprobs:  # what the client gets is what it asked for
+            attempt.body = request.api.strip_logprobs(attempt.body)
         if nan_choice is not None:  # the mechanism itself, before the content rules
             attempt.verdict = Verdict(DegenerateKind.NAN_LOGITS, nan_choice)
         else:
@@ -128,7 +131,7 @@ class HoldBack:
         if (
             attempt.status == 400
             and trace.inspecting
-            and request.watches_nan
+            and (request.watches_nan or attempt.asked_logprobs)
             and self.detector_for(request.model).settings.nan_logits
             and NAN_BODY_ERROR in attempt.body
         ):

@@ -345,7 +345,9 @@ class Guard:
         continuation (its body changed so, its text read by ``inspector``, which has
         the released text already, and never held back: it is relayed at once)."""
         trace.attempt_started = time.perf_counter()
-        body = body_with(request, {**attempt_overrides(request, salt), **(overrides or {})})
+        ask = self._logprobs_ask(request, backend, trace)
+        fields = {**attempt_overrides(request, salt), **(ask or {}), **(overrides or {})}
+        body = body_with(request, fields)
         if trace.attempts > 1:
             # A distinct upstream id per attempt: vLLM may still be aborting the
             # previous one, and its logs then tell the attempts apart.
@@ -359,6 +361,7 @@ class Guard:
         attempt = Attempt(
             backend, salt, response.status, response_headers(response, verbatim=False)
         )
+        attempt.asked_logprobs = ask is not None
         try:
             if response.status != 200 or not request.stream:
                 with map_transport_errors(backend):
@@ -371,9 +374,9 @@ class Guard:
             else:
                 continuing = inspector is not None
                 if inspector is None:
-                    inspector = StreamInspector(
-                        self.holding.detector_for(request.model), watch_nan=request.watches_nan
-                    )
+                    inspector = StreamInspector(self.holding.detector_for(request.model))
+                if request.watches_nan or ask is not None:
+                    inspector.watch_logprobs()
                 attempt.stream = StreamState(
                     response,
                     backend,
@@ -382,6 +385,7 @@ class Guard:
                     events=request.api.event_reader(inspector),
                     parser=SSEParser(self.settings.upstream.max_sse_event_bytes),
                     whole_events=continuing,
+                    strip_logprobs=None if ask is None else request.api.strip_logprobs,
                 )
                 attempt.stream.watch_stalls(self.stalls)
                 if not continuing:
@@ -398,6 +402,16 @@ class Guard:
         if attempt.stream is None:
             self.accounting.count_attempt(attempt, trace)
         return attempt
+
+    @staticmethod
+    def _logprobs_ask(
+        request: GuardedRequest, backend: Backend, trace: Trace
+    ) -> dict[str, Any] | None:
+        """The fields that ask ``backend`` for the sampled tokens' logprobs the client
+        did not ask for (``ask_logprobs``): a NaN logit is seen on every answer."""
+        if not (backend.settings.ask_logprobs and trace.inspecting) or request.echoes_prompt:
+            return None
+        return request.api.logprobs_ask(request.body)
 
     # -- releasing to the client ----------------------------------------------------
 

@@ -86,6 +86,9 @@ class StreamState:
     #: Every event is forwarded as its own bytes (a continuation's events are
     #: rewritten one by one), never through the text-event fast path.
     whole_events: bool = False
+    #: Takes the logprobs the gateway asked for out of each event (the client did
+    #: not ask): every event is then read and forwarded on its own.
+    strip_logprobs: Callable[[bytes], bytes] | None = None
 
     def ended(self) -> bool:
         return self.done or self.upstream_error
@@ -142,7 +145,9 @@ class StreamState:
     def accept(self, event: SSEEvent) -> bytes | None:
         """Inspect one event; return the bytes to forward, or None to drop it."""
         raw, data = event
-        return raw if data is None or self.accept_data(data) else None
+        if data is not None and not self.accept_data(data):
+            return None
+        return raw if self.strip_logprobs is None else self.strip_logprobs(raw)
 
     def accept_data(self, data: bytes) -> bool:
         """Inspect one event's data; False: drop the event (a usage chunk the client
@@ -212,7 +217,12 @@ class StreamState:
         (a paced stream's every read); one that does not start on an event boundary
         or has CR line ends goes to the parser whole, as does every chunk of a typed
         event stream (``events``)."""
-        if self.parser.pending or self.events is not None or self.whole_events:
+        if (
+            self.parser.pending
+            or self.events is not None
+            or self.whole_events
+            or self.strip_logprobs is not None
+        ):
             return self._take_parsed(chunk)
         events = self.text_events
         head, tail = events.head, events.tail

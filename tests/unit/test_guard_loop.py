@@ -109,8 +109,14 @@ def answers_stream(
 
 @contextlib.asynccontextmanager
 async def guard_with(
-    script: Script, *, backends: int = 1, dead_first: bool = False, **guard: Any
+    script: Script,
+    *,
+    backends: int = 1,
+    dead_first: bool = False,
+    backend: dict[str, Any] | None = None,
+    **guard: Any,
 ) -> AsyncIterator[Guard]:
+    """A Guard in front of ``script``; ``backend``: settings every backend gets."""
     app = web.Application()
     app.router.add_post("/v1/chat/completions", script.handle)
     app.router.add_post("/v1/responses", script.handle)
@@ -121,7 +127,8 @@ async def guard_with(
     if dead_first:  # a backend nothing listens on, first in line
         urls = ["http://127.0.0.1:9", *urls]
     settings = Settings.model_validate({
-        "upstream": {"backends": [{"name": f"b{i}", "url": u} for i, u in enumerate(urls)],
+        "upstream": {"backends": [{"name": f"b{i}", "url": u, **(backend or {})}
+                                  for i, u in enumerate(urls)],
                      "conversation_affinity": False},
         "guard": guard,
     })  # fmt: skip

@@ -219,3 +219,53 @@ def test_an_echoed_prompts_null_logprob_is_not_a_nan() -> None:
     request = parse_guarded("completions", orjson.dumps({"model": "m", "prompt": "go",
                                                          "logprobs": 0}))  # fmt: skip
     assert request.watches_nan
+
+
+ASK = {"ask_logprobs": True}
+
+
+def plain_chunk(content: str, finish: str | None = None) -> bytes:
+    """``logprob_chunk`` as vLLM writes it when no logprobs were asked for."""
+    choice = {"index": 0, "delta": {"content": content}, "logprobs": None,
+              "finish_reason": finish}  # fmt: skip
+    body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m",
+            "choices": [choice]}  # fmt: skip
+    return b"data: " + orjson.dumps(body) + b"\n\n"
+
+
+def test_a_backend_asked_for_logprobs_catches_nan_the_client_never_asked_about() -> None:
+    """``ask_logprobs``: every guarded request asks vLLM for its sampled tokens'
+    logprobs; a NaN answer the client did not ask logprobs for is caught, and the
+    client gets the clean answer as vLLM writes it without them, byte for byte."""
+
+    async def scenario() -> None:
+        script = Script([
+            answers_stream(logprob_stream(*[("!", None)] * 3)),
+            answers_stream(logprob_stream(*HEALTHY)),
+        ])  # fmt: skip
+        async with guard_with(script, backend=ASK) as guard:
+            sent = await relayed(await handled(guard, chat(True)))
+            assert [r.get("logprobs") for r in script.received] == [True, True]
+            assert [r.get("top_logprobs") for r in script.received] == [0, 0]
+            plain = [plain_chunk(text) for text, _ in HEALTHY]
+            assert sent == b"".join([*plain, plain_chunk("", "stop"), b"data: [DONE]\n\n"])
+            assert metric(guard, "vllm_guard_degenerate_responses_total", kind="nan_logits") == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_asked_gets_its_own_logprobs_and_a_body_without_them_when_not() -> None:
+    """The ask adds nothing to a client that asked itself (its own ``top_logprobs``
+    kept), and a whole body's logprobs are taken out for a client that did not."""
+
+    async def scenario() -> None:
+        script = Script([answers_json(200, whole_answer("Open")),
+                         answers_json(200, whole_answer("Open"))])  # fmt: skip
+        async with guard_with(script, backend=ASK) as guard:
+            answer = await handled(guard, chat(False))
+            assert orjson.loads(answer.body)["choices"][0]["logprobs"] is None
+            answer = await handled(guard, chat(False, logprobs=True, top_logprobs=3))
+            assert orjson.loads(answer.body)["choices"][0]["logprobs"] is not None
+            assert script.received[1]["top_logprobs"] == 3
+
+    asyncio.run(scenario())
