@@ -11,6 +11,7 @@ is clean.
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
@@ -151,3 +152,89 @@ def test_a_short_nan_answer_is_recovered_through_the_gateway(
     caught = scraped_metric(on.url, "vllm_guard_degenerate_responses_total", kind="nan_logits")
     assert caught == 1
     assert scraped_metric(off.url, "vllm_guard_degenerate_responses_total") == 0
+
+
+#: What differs between two answers to the same request: ids and clocks.
+_IDS = re.compile(rb"(chatcmpl|cmpl|resp|msg)[-_][0-9a-f]+")
+_CLOCKS = re.compile(rb'"(created|created_at)":\d+')
+
+
+def plain_request(api: str, text: str, max_tokens: int = 6, **more: Any) -> dict[str, Any]:
+    """A request for ``text`` that does not ask for logprobs."""
+    body = body_for(api, text, max_tokens, **more)
+    for name in ("logprobs", "top_logprobs", "include"):
+        body.pop(name, None)
+    return body
+
+
+def raw_answer(url: str, api: str, body: dict[str, Any]) -> bytes:
+    with httpx.stream("POST", url + PATHS[api], json=body, timeout=120) as response:
+        assert response.status_code == 200
+        return _CLOCKS.sub(rb'"\1":0', _IDS.sub(rb"\1-x", response.read()))
+
+
+def by_event(raw: bytes) -> tuple[str, list[Any]]:
+    """A stream's text (its pieces joined) and its events other than the plain text
+    pieces, their text and sequence numbers taken out."""
+    import orjson
+
+    text, others = "", []
+    for line in raw.split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        event = orjson.loads(line[6:])
+        event.pop("sequence_number", None)
+        if event.get("type") == "response.output_text.delta":
+            text += event["delta"]
+            continue
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") or {}
+            text += choice.pop("text", "") or delta.pop("content", "") or ""
+            if choice.get("finish_reason") is None and not delta and not event.get("usage"):
+                break  # a plain text piece
+        else:
+            others.append(event)
+    return text, others
+
+
+@pytest.mark.parametrize("api", ["chat", "completions", "responses"])
+def test_a_backend_asked_for_logprobs_gives_the_client_vllms_own_bytes(
+    vllm: RunningVLLM, gateway_for: GatewayFactory, api: str
+) -> None:
+    """``ask_logprobs``: the gateway asks vLLM for every answer's logprobs; a client
+    that did not ask gets, streamed and not, the bytes it gets without the ask (ids
+    and clocks aside; not streamed, vLLM's own bytes direct), and a NaN answer it
+    never asked logprobs about is caught and recovered (the content rules leave its
+    '!!!' alone)."""
+    backends = [{"name": "vllm0", "url": vllm.url, "ask_logprobs": True}]
+    gateway = gateway_for(vllm.url, backends=backends)
+    without_ask = gateway_for(vllm.url)
+    salt = uuid.uuid4().hex
+    for stream in (False, True):
+        body = plain_request(api, f"exact bytes {salt}", model=vllm.model, temperature=0,
+                             cache_salt=salt, stream=stream)  # fmt: skip
+        asked = raw_answer(gateway.url, api, body)
+        assert b'"logprob"' not in asked
+        if stream:
+            # How many tokens one event carries varies from run to run (vLLM merges
+            # the outputs an API server has not sent yet): the same events, the
+            # text deltas joined, and every other event byte for byte.
+            assert by_event(asked) == by_event(raw_answer(without_ask.url, api, body))
+        else:
+            assert asked == raw_answer(without_ask.url, api, body)
+            assert asked == raw_answer(vllm.url, api, body)
+    for stream in (False, True):
+        body = plain_request(api, warmed(vllm, api), SHORT, model=vllm.model, temperature=0,
+                             vllm_xargs=NAN_POISON)  # fmt: skip
+        assert streamed(vllm.url, api, body) == ("!" * SHORT, [])  # direct: corrupt
+        if stream:
+            answer, logprobs = streamed(gateway.url, api, body)
+            assert logprobs == []  # none the client did not ask for
+        else:
+            reply = post(gateway.url, api, body)
+            assert reply.status_code == 200
+            assert b'"logprob"' not in reply.content
+            answer = reply.text
+        assert "!!!" not in answer
+    caught = scraped_metric(gateway.url, "vllm_guard_degenerate_responses_total", kind="nan_logits")
+    assert caught == 2
