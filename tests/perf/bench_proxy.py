@@ -54,10 +54,13 @@ BODY = orjson.dumps({"id": "x", "object": "chat.completion", "model": "stub",
 # Events as vLLM 0.32 writes them (key order and null fields read off a real server).
 HEAD = {"id": "chatcmpl-aa6e125256a909c4", "object": "chat.completion.chunk",
         "created": 1796319639, "model": "stub"}
-def chunk(delta, finish=None):
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+def chunk(delta, finish=None, logprobs=None):
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
               "token_ids": None}
     return b"data: " + orjson.dumps({**HEAD, "choices": [choice]}) + b"\n\n"
+def sampled(text):  # a request that asked for logprobs: the sampled token's, as vLLM
+    return {"content": [{"token": text, "logprob": -0.25, "bytes": list(text.encode()),
+                         "top_logprobs": []}]}
 EVENTS = [chunk({"role": "assistant", "content": ""})] + [
     chunk({"content": f"word{i} "}) for i in range(20)] + [
     chunk({"content": "end."}, finish="stop"),
@@ -65,6 +68,9 @@ EVENTS = [chunk({"role": "assistant", "content": ""})] + [
         "total_tokens": 26, "completion_tokens": 21,
         "prompt_tokens_details": {"cached_tokens": 0}}}) + b"\n\n",
     b"data: [DONE]\n\n"]
+EVENTS_WITH_LOGPROBS = [EVENTS[0]] + [
+    chunk({"content": f"word{i} "}, logprobs=sampled(f"word{i} ")) for i in range(20)] + [
+    chunk({"content": "end."}, finish="stop", logprobs=sampled("end.")), *EVENTS[-2:]]
 async def chat(request):
     body = await request.read()
     if b'"stream":true' in body:
@@ -73,7 +79,8 @@ async def chat(request):
         paced = b'"user":"paced"' in body
         # "slow": an agent's long stream (bench_streams), a token every 100 ms.
         gap = 0.1 if b'"user":"slow"' in body else 0.002
-        for i, event in enumerate(EVENTS):
+        events = EVENTS_WITH_LOGPROBS if b'"logprobs":true' in body else EVENTS
+        for i, event in enumerate(events):
             await response.write(event)
             if (paced or gap > 0.002) and i < len(EVENTS) - 3:  # usage, [DONE], end at once
                 await asyncio.sleep(gap)
@@ -326,6 +333,12 @@ def main() -> None:
                     # editable install's finder.
                     other.cwd = other.env["PYTHONPATH"] = tree
                     proxies.append((f"vllm-guard ({Path(tree).name})", stack.enter_context(other)))
+            if "ask" in peers:  # the gateway again, asking for every answer's logprobs
+                backends = [{"name": "vllm", "url": stub_url, "ask_logprobs": True}]
+                asking = GatewayProcess(
+                    stub_url, "proxy-bench-ask", upstream={"backends": backends}
+                )
+                proxies.append(("vllm-guard + ask_logprobs", stack.enter_context(asking)))
             if "aiohttp" in peers:
                 proxies.append(("aiohttp", stack.enter_context(aiohttp_peer(stub_url))))
             if "asgi" in peers:
