@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import GatewayFactory, RunningVLLM, scraped_metric
+from conftest import GatewayFactory, RunningVLLM, scraped_metric, wait_for
 from support.workload import long_prompt
 
 NAN_POISON = {"vg_poison_rate": 1.0, "vg_poison_kinds": "nan"}
@@ -238,3 +238,40 @@ def test_a_backend_asked_for_logprobs_gives_the_client_vllms_own_bytes(
         assert "!!!" not in answer
     caught = scraped_metric(gateway.url, "vllm_guard_degenerate_responses_total", kind="nan_logits")
     assert caught == 2
+
+
+def test_with_ask_logprobs_the_nan_verdicts_match_vllms_own_count(
+    vllm: RunningVLLM, gateway_for: GatewayFactory
+) -> None:
+    """Ground truth: with every answer's logprobs asked for, each NaN answer is one
+    ``nan_logits`` verdict, and a clean answer none. vLLM's own count of requests
+    with NaN logits (``vllm:corrupted_requests``) rises by one per whole answer: an
+    equality. It counts a request only when it finishes, and a stream the gateway
+    drops at its first NaN token is aborted before: streamed, the verdicts are the
+    better count (vLLM's rises by at most one each)."""
+    backends = [{"name": "vllm0", "url": vllm.url, "ask_logprobs": True}]
+    gateway = gateway_for(vllm.url, backends=backends,
+                          guard={"budget": {"ratio": 1.0, "min_per_second": 5.0}})  # fmt: skip
+
+    def vllm_count() -> float:
+        return scraped_metric(vllm.url, "vllm:corrupted_requests_total")
+
+    def verdicts() -> float:
+        return scraped_metric(
+            gateway.url, "vllm_guard_degenerate_responses_total", kind="nan_logits"
+        )
+
+    for api in PATHS:
+        for stream in (True, False):
+            body = plain_request(api, warmed(vllm, api), 16, model=vllm.model,
+                                 temperature=0, vllm_xargs=NAN_POISON, stream=stream)  # fmt: skip
+            before, judged = vllm_count(), verdicts()
+            assert b"!!!" not in raw_answer(gateway.url, api, body)
+            clean = plain_request(api, f"clean {uuid.uuid4()}", model=vllm.model, stream=stream)
+            raw_answer(gateway.url, api, clean)
+            assert verdicts() == judged + 1
+            if stream:
+                assert vllm_count() - before <= 1
+            else:
+                assert wait_for(lambda: vllm_count() == before + 1, timeout_s=10)  # noqa: B023
+    assert scraped_metric(gateway.url, "vllm_guard_degenerate_responses_total") == 6
