@@ -183,7 +183,9 @@ class Metrics:
             "Requests for a stored Responses answer (a follow-up by previous_response_id, "
             "GET, cancel) with several backends to choose from, by how its backend was "
             "found: remembered (by this process, or by any through Redis), asked (every "
-            "healthy backend asked whether it holds it), not_found (none does).",
+            "healthy backend asked whether it holds it), not_found (every one answered "
+            "404), unanswered (none had it, but one could not say: a 5xx, a timeout; "
+            "asked again next time).",
             ["source"],
             registry=r,
         )

@@ -57,7 +57,9 @@ def unguarded_proxy(settings: Settings, runtime: Callable[[Request], Runtime]) -
             )
             stored = stored_answer_id(path)
             backend = (
-                await state.guard.answer_homes.find(RESPONSES, stored, headers) if stored else None
+                await state.guard.answer_homes.find(RESPONSES, stored, headers, param=None)
+                if stored
+                else None
             ) or state.pool.choose_first(0.0, state.guard.rng)
             upstream = await backend.open(
                 request.method,

@@ -424,26 +424,30 @@ class BackendPool:
         pool and healthy."""
         return next((b for b in self.backends if b.identity == identity and b.healthy), None)
 
-    async def first_holding(self, path: str, headers: Mapping[str, str]) -> Backend | None:
+    async def first_holding(
+        self, path: str, headers: Mapping[str, str]
+    ) -> tuple[Backend | None, bool]:
         """The healthy backend that answers ``GET path`` with 200, asked all at once:
         where a stored answer lives when nobody remembers (vLLM answers 404 for an
-        answer it does not hold). A GET is harmless to repeat; the request it is
-        for is sent once, to the backend found."""
+        answer it does not hold); and whether every one asked said 404 (a 5xx, a
+        timeout or a lost connection says nothing: that pod may hold it). A GET is
+        harmless to repeat; the request it is for is sent once, to the backend found."""
         candidates = [b for b in self.backends if b.healthy]
         timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
 
-        async def holds(backend: Backend) -> bool:
+        async def status(backend: Backend) -> int:
             try:
                 async with self.session.get(
                     backend.url + path, headers=headers, timeout=timeout, allow_redirects=False
                 ) as response:
                     await response.read()
-                    return response.status == 200
+                    return response.status
             except (aiohttp.ClientError, TimeoutError, OSError):
-                return False
+                return 0
 
-        found = await asyncio.gather(*(holds(b) for b in candidates))
-        return next((b for b, ok in zip(candidates, found, strict=True) if ok), None)
+        statuses = await asyncio.gather(*(status(b) for b in candidates))
+        found = next((b for b, s in zip(candidates, statuses, strict=True) if s == 200), None)
+        return found, all(s == 404 for s in statuses)
 
     def any_healthy(self) -> bool:
         return any(b.healthy for b in self.backends)

@@ -157,3 +157,38 @@ def test_responses_chains_hold_across_replicas(
     # Not asked again for a while: a client repeating an unknown id costs no GET per pod.
     assert sum(len(s.state.not_found) for s in servers.values()) == asked_pods
     assert scraped_metric(a.url, "vllm_guard_answer_homes_total", source="not_found") == 2
+
+
+def test_a_pod_that_could_not_say_is_asked_again_and_odd_ids_are_refused(
+    pods: tuple[int, dict[str, StubBackend]], dns: Dns, gateway_for: GatewayFactory
+) -> None:
+    """The pod holding an answer answers the lookup with a 503 once (a blip): that
+    says nothing about the answer, so it is not remembered as "not found" (it was,
+    for 30 s: every follow-up, GET and cancel of it went where routing sent them,
+    and 404'd); the next follow-up asks again and reaches the answer. An id no
+    server gives (over 256 characters, or with other characters) is refused with a
+    400 before any pod is asked (each unknown id cost a GET per pod, remembered)."""
+    port, servers = pods
+    dns.answer = list(ADDRESSES)
+    maker = replica(gateway_for, port, affinity=False)
+    other = replica(gateway_for, port, affinity=False)
+    for gateway in (maker, other):
+        assert wait_for(lambda g=gateway: len(backends_of(g.url)) == 3, 10)
+    made = httpx.post(maker.url + "/v1/responses", json={"model": "stub", "input": "go"})
+    answer_id = made.json()["id"]
+    (holder,) = [s for s in servers.values() if answer_id in s.state.stored]
+    holder.state.unavailable_once.add(answer_id)
+    follow = {"model": "stub", "input": "next", "previous_response_id": answer_id}
+    httpx.post(other.url + "/v1/responses", json=follow)  # the lookup meets the 503
+    assert scraped_metric(other.url, "vllm_guard_answer_homes_total", source="unanswered") == 1
+    again = httpx.post(other.url + "/v1/responses", json=follow)
+    assert again.status_code == 200, again.text
+    assert scraped_metric(other.url, "vllm_guard_answer_homes_total", source="asked") == 1
+    asked = sum(len(s.state.not_found) for s in servers.values())
+    for odd in ("resp_" + "a" * 300, "resp_../../admin", "resp_a b"):
+        refused = httpx.post(
+            other.url + "/v1/responses", json={**follow, "previous_response_id": odd}
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "previous_response_id"
+    assert sum(len(s.state.not_found) for s in servers.values()) == asked

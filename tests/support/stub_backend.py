@@ -156,6 +156,9 @@ class StubState:
         self.stored: set[str] = set()
         #: Paths of the requests for a stored answer this stub does not hold (404).
         self.not_found: list[str] = []
+        #: Stored answers whose next read (GET) is answered 503 once: a blip (a pod
+        #: restarting its server, an overloaded one) on the pod that holds them.
+        self.unavailable_once: set[str] = set()
 
 
 def build_app(state: StubState) -> Starlette:
@@ -294,6 +297,9 @@ def build_app(state: StubState) -> Starlette:
         if stored is not None and stored not in state.stored:
             state.not_found.append(request.url.path)
             return response_not_found(stored)
+        if stored is not None and stored in state.unavailable_once:
+            state.unavailable_once.discard(stored)
+            return Response(b'{"error": "unavailable"}', status_code=503)
         state.paths.append(request.url.path)
         state.headers.append({":path": request.url.path, **request.headers})
         state.raw_headers.append(request.headers.items())
