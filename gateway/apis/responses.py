@@ -309,12 +309,18 @@ class Responses(ApiAdapter):
         return isinstance(include, list) and OUTPUT_LOGPROBS in include
 
     def logprobs_ask(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The include, with ``top_logprobs: 0`` (vLLM acts on a client's own
+        ``top_logprobs`` only with the include: a value over its ``--max-logprobs``
+        would become a 400). Only for an answer vLLM does not store (``store:
+        false``): a stored one would keep the logprobs, and a GET return them."""
         include = body.get("include")
-        if include is None:
-            return {"include": [OUTPUT_LOGPROBS]}
-        if not isinstance(include, list) or OUTPUT_LOGPROBS in include:
+        if body.get("store") is not False or (
+            include is not None and not isinstance(include, list)
+        ):
             return None
-        return {"include": [*include, OUTPUT_LOGPROBS]}
+        if include is not None and OUTPUT_LOGPROBS in include:
+            return None
+        return {"include": [*(include or ()), OUTPUT_LOGPROBS], "top_logprobs": 0}
 
     def strip_logprobs(self, raw: bytes) -> bytes:
         return strip_response_logprobs(raw)

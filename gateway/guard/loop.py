@@ -323,10 +323,26 @@ class Guard:
                 f"the backend returned a degenerate answer ({kind}) on all "
                 f"{trace.attempts} attempt(s)"
             )
+        if attempt.status != 200 and attempt.asked_logprobs:
+            attempt = await self._resent_without_ask(attempt, trace)
         self.metrics.degenerate_delivered.labels(
             trace.model, attempt.backend.name, kind, trace.request.endpoint
         ).inc()
         return self._release(attempt, trace)
+
+    async def _resent_without_ask(self, attempt: Attempt, trace: Trace) -> Attempt:
+        """vLLM's 400 for a NaN it could not write answers the gateway's own logprobs
+        ask: a degenerate answer that is delivered is what vLLM answers the client's
+        request as it was sent (once more, to the same backend, on the same salt)."""
+        assert trace.upstream_headers is not None
+        trace.attempts += 1
+        resent = await self._attempt(
+            trace.request, attempt.backend, attempt.salt, trace.upstream_headers, trace,
+            ask_logprobs=False,
+        )  # fmt: skip
+        if resent.status == 200:
+            resent.verdict = attempt.verdict  # the NaN the 400 said, whatever the text
+        return resent
 
     # -- one attempt --------------------------------------------------------------
 
@@ -340,12 +356,14 @@ class Guard:
         *,
         overrides: dict[str, Any] | None = None,
         inspector: StreamInspector | None = None,
+        ask_logprobs: bool = True,
     ) -> Attempt:
         """One attempt; with ``overrides`` and ``inspector`` a released stream's
         continuation (its body changed so, its text read by ``inspector``, which has
-        the released text already, and never held back: it is relayed at once)."""
+        the released text already, and never held back: it is relayed at once).
+        ``ask_logprobs`` False: never with the backend's logprobs ask."""
         trace.attempt_started = time.perf_counter()
-        ask = self._logprobs_ask(request, backend, trace)
+        ask = self._logprobs_ask(request, backend, trace) if ask_logprobs else None
         fields = {**attempt_overrides(request, salt), **(ask or {}), **(overrides or {})}
         body = body_with(request, fields)
         if trace.attempts > 1:
@@ -403,13 +421,20 @@ class Guard:
             self.accounting.count_attempt(attempt, trace)
         return attempt
 
-    @staticmethod
     def _logprobs_ask(
-        request: GuardedRequest, backend: Backend, trace: Trace
+        self, request: GuardedRequest, backend: Backend, trace: Trace
     ) -> dict[str, Any] | None:
         """The fields that ask ``backend`` for the sampled tokens' logprobs the client
-        did not ask for (``ask_logprobs``): a NaN logit is seen on every answer."""
-        if not (backend.settings.ask_logprobs and trace.inspecting) or request.echoes_prompt:
+        did not ask for (``ask_logprobs``): a NaN logit is seen on every answer. Only
+        where the verdict can act on it (enforce, ``nan_logits`` on): asked, vLLM
+        answers a NaN it cannot write with a 400 instead of the degenerate text."""
+        if (
+            not backend.settings.ask_logprobs
+            or not trace.inspecting
+            or self.mode is not GuardMode.ENFORCE
+            or request.echoes_prompt
+            or not self.holding.detector_for(request.model).settings.nan_logits
+        ):
             return None
         return request.api.logprobs_ask(request.body)
 

@@ -12,6 +12,7 @@ requests that arrived together, which under load is many.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio
@@ -20,10 +21,17 @@ import redis.asyncio
 class BatchedGet:
     """``get(key)``: a future of the key's value (bytes, or None), resolved by the next
     MGET; a failed MGET fails every future of its batch. A future resolved by someone
-    else first (the caller's deadline) is left as it is."""
+    else first (the caller's deadline) is left as it is. ``on_round_trip`` hears of
+    each MGET once, however many lookups it carried: None when Redis answered, else
+    what went wrong (the link's health is judged per round trip, not per waiter)."""
 
-    def __init__(self, client: redis.asyncio.Redis) -> None:
+    def __init__(
+        self,
+        client: redis.asyncio.Redis,
+        on_round_trip: Callable[[BaseException | None], None] | None = None,
+    ) -> None:
         self.client = client
+        self.on_round_trip = on_round_trip
         self._pending: dict[str, list[asyncio.Future[Any]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -52,7 +60,11 @@ class BatchedGet:
                         future.set_exception(exc)
             if not isinstance(exc, Exception):
                 raise
+            if self.on_round_trip is not None:
+                self.on_round_trip(exc)
             return
+        if self.on_round_trip is not None:
+            self.on_round_trip(None)
         for key, value in zip(keys, values, strict=True):
             for future in batch[key]:
                 if not future.done():

@@ -23,8 +23,12 @@ Both read through one ``RedisLink``: a lookup is a ``GET`` within
 ``gateway.guard.redis_lookups``) that also refreshes the local memory; writes leave
 the request's path at once (background tasks). Redis is never on the request's
 failure path: a lookup past its deadline, or any error, answers from the local
-memory and is counted in ``vllm_guard_state_errors_total{op}``. Three failures in a
-row, or a lost connection, stop the lookups: logged once,
+memory and is counted in ``vllm_guard_state_errors_total{op}``. The link's health is
+judged per round trip (an MGET, however many lookups it carried; a write): three
+failed round trips in a row, or a lost connection (not a slow answer), stop the
+lookups; a lookup that misses its own few milliseconds under load does not (its
+MGET comes back a moment later). A write made while Redis is away is kept locally
+and counted in ``vllm_guard_state_unshared_writes_total{op}``. Stopped: logged once,
 ``vllm_guard_state_shared`` drops to 0, and the connection is tried again in the
 background every ``state.reconnect_s`` until Redis answers. Every command goes
 through redis-py, so the URL means the same for reads and writes
@@ -87,13 +91,15 @@ class RedisLink:
             socket_connect_timeout=_BACKGROUND_TIMEOUT_S,
             socket_timeout=_BACKGROUND_TIMEOUT_S,
         )
-        self.reads = BatchedGet(self.client)
+        self.reads = BatchedGet(self.client, on_round_trip=self._round_trip)
         #: Redis answered the last ping and has not failed since; until ``connect``
         #: succeeds nothing is shared.
         self.healthy = False
-        #: Failures since the last success: a lookup that misses its deadline once is
-        #: answered locally; FAILURES_BEFORE_FALLBACK in a row (or a lost connection)
-        #: stop the lookups until Redis answers again.
+        #: Round trips (an MGET, a write) that failed since the last one that did not:
+        #: FAILURES_BEFORE_FALLBACK in a row (or a lost connection) stop the lookups
+        #: until Redis answers again. A lookup that misses its own deadline is
+        #: answered locally and counted, but says nothing of the link: its MGET may
+        #: come back a few milliseconds later (a busy event loop, a short stall).
         self._failures_in_a_row = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._reconnecting: asyncio.Task[None] | None = None
@@ -119,15 +125,13 @@ class RedisLink:
         deadline = loop.call_later(self.timeout_s, _expire_after_pending_io, reply, 2)
         try:
             raw = await reply
-        except (OSError, RedisError) as exc:
-            self._failed("get", exc)
-            return None
+        except (OSError, RedisError):
+            return None  # its MGET failed: counted once, for the batch (``_round_trip``)
         finally:
             deadline.cancel()
         if raw is TOO_LATE:
-            self._failed("get", TimeoutError())
+            self.metrics.state_errors.labels("get").inc()
             return None
-        self._failures_in_a_row = 0
         return raw if isinstance(raw, bytes | str) else None
 
     def background(self, op: str, command: Awaitable[Any]) -> None:
@@ -135,7 +139,10 @@ class RedisLink:
 
         async def run() -> None:
             if (exc := await _bounded(command)) is not None:
+                self.unshared(op)
                 self._failed(op, exc)
+            else:
+                self._failures_in_a_row = 0
 
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
@@ -147,14 +154,26 @@ class RedisLink:
         self.reads.close()
         await self.client.aclose()
 
+    def unshared(self, op: str) -> None:
+        """A write this process kept to itself (Redis away, or the write failed): the
+        other processes learn of it only when it is written again."""
+        self.metrics.state_unshared_writes.labels(op).inc()
+
     # -- failures -----------------------------------------------------------------------
+
+    def _round_trip(self, exc: BaseException | None) -> None:
+        if exc is None:
+            self._failures_in_a_row = 0
+        else:
+            self._failed("get", exc)
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self.metrics.state_errors.labels(op).inc()
         self._failures_in_a_row += 1
         if not self.healthy:
             return
-        lost = isinstance(exc, RedisConnectionError | OSError)
+        # A slow answer is not a lost connection (Python's TimeoutError is an OSError).
+        lost = isinstance(exc, RedisConnectionError | OSError) and not isinstance(exc, TimeoutError)
         if lost or self._failures_in_a_row >= FAILURES_BEFORE_FALLBACK:
             self._fall_back(op, exc)
 
@@ -221,16 +240,24 @@ class SharedSaltMemory:
         entry's time to live): a conversation that stays on its rung is not a write
         per turn."""
         news = self.local.remember(key, salt, rung)
-        if key is not None and self.link.healthy and news:
+        if key is None or not news:
+            return news
+        if self.link.healthy:
             command = self.link.client.set(self.prefix + key, f"{rung}:{salt}", ex=self.ttl_s)
             self.link.background("set", command)
+        else:
+            self.link.unshared("set")
         return news
 
     def forget(self, key: str | None, salt: str) -> None:
         self.local.forget(key, salt)
-        if key is not None and self.link.healthy:
+        if key is None:
+            return
+        if self.link.healthy:
             forget = self.link.client.eval(_FORGET_IF_SAME, 1, self.prefix + key, salt)
             self.link.background("forget", forget)
+        else:
+            self.link.unshared("forget")
 
 
 class SharedAnswerChains:
@@ -267,6 +294,8 @@ class SharedAnswerChains:
             value = f"{backend} {conversation or ''}"
             command = self.link.client.set(self.prefix + answer_id, value, ex=self.ttl_s)
             self.link.background("set", command)
+        else:
+            self.link.unshared("set")
 
     def conversation_of(self, answer_id: str) -> str:
         return self.local.conversation_of(answer_id)

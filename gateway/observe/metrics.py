@@ -349,6 +349,14 @@ class Metrics:
             ["op"],
             registry=r,
         )
+        self.state_unshared_writes = Counter(
+            "vllm_guard_state_unshared_writes",
+            "Writes to the shared memory this process kept to itself: Redis was away, or "
+            "the write failed. The other processes learn of the entry only when it is "
+            "written again. op: set, forget.",
+            ["op"],
+            registry=r,
+        )
         self.state_shared = Gauge(
             "vllm_guard_state_shared",
             "1 while conversation memory is shared through Redis; 0 while this process "

@@ -28,9 +28,11 @@ _STRING_OR_BRACKET = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 _OPENERS = frozenset(b"[{")
 _QUOTE = ord('"')
 #: The response object's echo of ``top_logprobs`` (a number only when included).
-_TOP_LOGPROBS = re.compile(rb',"top_logprobs":\d+')
+_TOP_LOGPROBS = re.compile(rb',"top_logprobs":\d+(?=,"truncation":)')
 #: What precedes a Responses ``output_text`` part's logprobs in vLLM's bytes.
 _PART_TYPE = b'"type":"output_text",'
+#: What precedes a text delta event's own logprobs: the event's ``item_id``.
+_AFTER_ITEM_ID = re.compile(rb'"item_id":"[^"\\]*",\Z')
 
 
 def value_end(raw: bytes, start: int) -> int:
@@ -46,7 +48,7 @@ def value_end(raw: bytes, start: int) -> int:
     raise ValueError("unterminated JSON value")
 
 
-def _replace_logprobs(raw: bytes, replacement_for: Callable[[bytes, int], bytes]) -> bytes:
+def _replace_logprobs(raw: bytes, replacement_for: Callable[[bytes, int], bytes | None]) -> bytes:
     out: list[bytes] = []
     position = 0
     for match in _KEY.finditer(raw):
@@ -57,6 +59,8 @@ def _replace_logprobs(raw: bytes, replacement_for: Callable[[bytes, int], bytes]
         if end - start == 2:  # "[]" or "{}": written so both ways
             continue
         replacement = replacement_for(raw, match.start())
+        if replacement is None:
+            continue  # not a place vLLM writes the asked-for logprobs
         out += (raw[position:start], replacement)
         position = end
     if not out:
@@ -69,10 +73,16 @@ def _null(raw: bytes, key_at: int) -> bytes:
     return b"null"
 
 
-def _responses_value(raw: bytes, key_at: int) -> bytes:
-    """A part's logprobs were null without the ask; a delta's an empty list."""
-    part = raw.endswith(_PART_TYPE, 0, key_at + 1)
-    return b"null" if part else b"[]"
+def _responses_value(raw: bytes, key_at: int) -> bytes | None:
+    """An ``output_text`` part's logprobs were null without the ask; a text delta's
+    (the key after the event's ``item_id``) an empty list. A key of that name
+    anywhere else (a tool's parameters, a JSON schema, echoed in the response
+    object) is the client's own, left as it is."""
+    if raw.endswith(_PART_TYPE, 0, key_at + 1):
+        return b"null"
+    if _AFTER_ITEM_ID.search(raw, max(0, key_at - 200), key_at + 1):
+        return b"[]"
+    return None
 
 
 def strip_choice_logprobs(raw: bytes) -> bytes:

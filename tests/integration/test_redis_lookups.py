@@ -244,3 +244,77 @@ def test_rediss_with_a_private_ca_and_a_client_certificate(
     assert asyncio.run(shared) == (("vg.rung-1", 1), 1.0)
     refused = written_then_read(base, "conversation-tls", "vg.rung-1", 1)
     assert asyncio.run(refused) == (None, 0.0)
+
+
+@pytest.mark.parametrize(("pause_s", "outage"), [(0.003, False), (0.05, False), (2.0, True)])
+def test_sharing_survives_a_stall_under_load_and_returns_after_an_outage(
+    redis_server: RunningRedis, pause_s: float, outage: bool
+) -> None:
+    """64 conversations looking up their salts as fast as the loop turns (every lookup
+    within the default 5 ms, most batched), through one process's link to a real
+    Redis. Without a fault, sharing stays on the whole time (before: it fell within
+    0.2 s: a lookup past its own deadline counted as a lost connection, and every
+    waiter on one late MGET as a failure of its own). Redis paused 3 ms or 50 ms:
+    sharing stays on. Paused 2 s: it goes off, and comes back within seconds of
+    Redis answering; every write made meanwhile is in Redis or counted as kept
+    locally (``vllm_guard_state_unshared_writes_total``)."""
+
+    async def scenario() -> tuple[list[float], list[float], int, float]:
+        metrics = Metrics(CollectorRegistry(), models=[], backends=[])
+        salt_reuse = SaltReuseSettings()
+        state = StateSettings.model_validate({"redis_url": redis_server.url, "reconnect_s": 0.2})
+        shared = SharedSaltMemory(SaltMemory(salt_reuse), RedisLink(state, metrics), salt_reuse)
+        await shared.link.connect()
+        stop = asyncio.Event()
+
+        async def conversation(i: int) -> None:
+            while not stop.is_set():
+                await shared.lookup(f"conversation-{i}")
+                await asyncio.sleep(0)  # a lookup answered locally does not yield
+
+        def shared_now() -> float:
+            return gauge(metrics, "vllm_guard_state_shared")
+
+        tasks = [asyncio.create_task(conversation(i)) for i in range(64)]
+        try:
+            calm = []
+            for _ in range(50):  # 0.5 s of load, no fault
+                await asyncio.sleep(0.01)
+                calm.append(shared_now())
+            redis_server.pause()
+            written = 0
+            during = []
+            started = asyncio.get_running_loop().time()
+            while asyncio.get_running_loop().time() - started < pause_s:
+                shared.remember(f"written-{written}", "vg.salt", 1)
+                written += 1
+                during.append(shared_now())
+                await asyncio.sleep(min(pause_s / 4, 0.05))
+            redis_server.resume()
+            for _ in range(300):  # up to 3 s for sharing to come back
+                await asyncio.sleep(0.01)
+                during.append(shared_now())
+                if not outage and len(during) > 30:
+                    break
+                if outage and during[-1] == 1 and 0 in during:
+                    break
+            await asyncio.sleep(1.5)  # the background writes finish or fail
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+            await shared.link.close()
+        in_redis = sum(
+            b"vg.salt" in redis_server.command("GET", f"vllm-guard:salt:written-{i}")
+            for i in range(written)
+        )
+        kept = gauge(metrics, "vllm_guard_state_unshared_writes_total", op="set")
+        return calm, during, written, in_redis + kept
+
+    calm, during, written, accounted = asyncio.run(scenario())
+    assert calm == [1.0] * len(calm)
+    if outage:
+        assert 0.0 in during  # it went off
+        assert during[-1] == 1.0  # and came back
+    else:
+        assert during == [1.0] * len(during)
+    assert accounted >= written

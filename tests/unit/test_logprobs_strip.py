@@ -84,9 +84,15 @@ def chunk_body(rng: random.Random, lp: random.Random, api: str, asked: bool) -> 
 def response_object(lp: random.Random, asked: bool, text_: str, top: int) -> dict[str, Any]:
     part = {"annotations": [], "text": text_, "type": "output_text",
             "logprobs": token_logprobs(lp, chat=False) if asked else None}  # fmt: skip
+    # The client's own tools echoed: a parameter named like the fields the strip
+    # rewrites is the client's, the same with and without the ask.
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
+        "logprobs": {"type": "array", "items": {"type": "number"}, "default": [1, 2]},
+        "top_logprobs": 5}}}  # fmt: skip
     return {"id": "resp_1", "object": "response", "output": [
         {"id": "msg_1", "content": [part], "role": "assistant", "type": "message"}],
-        "text": None, "top_logprobs": top if asked else None, "truncation": "disabled"}  # fmt: skip
+        "tools": [tool], "text": None, "top_logprobs": top if asked else None,
+        "truncation": "disabled"}  # fmt: skip
 
 
 def response_event(rng: random.Random, lp: random.Random, asked: bool) -> bytes:

@@ -269,3 +269,66 @@ def test_a_client_that_asked_gets_its_own_logprobs_and_a_body_without_them_when_
             assert script.received[1]["top_logprobs"] == 3
 
     asyncio.run(scenario())
+
+
+def vllm_with_nan(text: str) -> Any:
+    """vLLM on a poisoned cache, not streamed: asked for logprobs it cannot write the
+    NaN (400); not asked, it answers 200 with the degenerate text."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        if (await request.json()).get("logprobs"):
+            return web.Response(status=400, body=orjson.dumps(NAN_400),
+                                content_type="application/json")  # fmt: skip
+        plain = whole_answer(text)
+        plain["choices"][0]["logprobs"] = None
+        return web.Response(body=orjson.dumps(plain), content_type="application/json")
+
+    return answer
+
+
+@pytest.mark.parametrize("guard", [{"mode": "observe"}, {"detectors": {"nan_logits": False}}])
+def test_no_ask_where_the_verdict_cannot_act(guard: dict[str, Any]) -> None:
+    """Asked, vLLM answers a NaN it cannot write with a 400: in observe mode, or with
+    ``nan_logits`` off, the gateway asks nothing (the client got vLLM's 400 for
+    logprobs it never asked for, where it gets a 200 without the gateway)."""
+
+    async def scenario() -> None:
+        script = Script([vllm_with_nan("!!!")])
+        async with guard_with(script, backend=ASK, **guard) as guard_:
+            answer = await handled(guard_, chat(False))
+            assert "logprobs" not in script.received[0]
+            assert answer.status == 200
+
+    asyncio.run(scenario())
+
+
+def test_a_nan_answer_delivered_is_what_vllm_answers_without_the_ask() -> None:
+    """Retries exhausted with ``on_exhausted: deliver``: the client gets the answer
+    vLLM gives its request as sent (the degenerate text, 200, counted delivered),
+    not the 400 the gateway's own ask drew (the request is sent once more without
+    it)."""
+
+    async def scenario() -> None:
+        script = Script([vllm_with_nan("!!!"), vllm_with_nan("!!!")])
+        async with guard_with(script, backend=ASK, max_attempts=1,
+                              on_exhausted="deliver") as guard:  # fmt: skip
+            answer = await handled(guard, chat(False))
+            assert answer.status == 200
+            assert b"!!!" in answer.body
+            assert [r.get("logprobs") for r in script.received] == [True, None]
+            assert dict(answer.headers)[b"x-vllm-guard-verdict"] == b"degenerate"
+            assert metric(guard, "vllm_guard_degenerate_delivered_total", kind="nan_logits") == 1
+
+    asyncio.run(scenario())
+
+
+def test_the_responses_ask_sets_its_own_top_logprobs_and_skips_stored_answers() -> None:
+    """vLLM acts on a client's ``top_logprobs`` only with the include (over its
+    ``--max-logprobs``: a 400), so the ask sets 0; a stored answer would keep the
+    logprobs for a later GET, so only ``store: false`` is asked."""
+    responses = parse_guarded("responses", b'{"model":"m","input":"go","store":false}')
+    assert responses.api.logprobs_ask({"input": "go", "store": False, "top_logprobs": 50}) == {
+        "include": ["message.output_text.logprobs"], "top_logprobs": 0,
+    }  # fmt: skip
+    assert responses.api.logprobs_ask({"input": "go"}) is None  # stored by default
+    assert responses.api.logprobs_ask({"input": "go", "store": False, "include": "x"}) is None
