@@ -275,6 +275,7 @@ def probe_command(args: argparse.Namespace) -> int:
         extra_body=extra,
         verify_determinism=args.verify_determinism,
         api_key=args.api_key,
+        vllm_metrics=args.vllm_metrics,
         seed=args.seed,
     )
     report = asyncio.run(run_probe(config, None if args.json else progress_bar))
@@ -359,6 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--verify-determinism",
         action="store_true",
         help="resend greedy requests with a fresh salt and compare the answers",
+    )
+    probe.add_argument(
+        "--vllm-metrics",
+        help="vLLM's base URL, to read its own NaN count from (a gateway target's copy "
+        "is as of its last scrape of vLLM)",
     )
     probe.add_argument("--api-key")
     probe.add_argument("--seed", type=int, default=0)

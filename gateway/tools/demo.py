@@ -88,6 +88,9 @@ def run_demo(
                     ProbeConfig(
                         target=target, model="tiny", seed=seed, episodes=episodes, steps=steps,
                         concurrency=concurrency,
+                        # vLLM's own count, both columns: the gateway's copy is as of
+                        # its last scrape (it read 0 beside the answers it retried).
+                        vllm_metrics=vllm.url,
                     )
                 )
             )

@@ -66,6 +66,10 @@ class ProbeConfig:
     api_key: str | None = None
     seed: int = 0
     timeout_s: float = 600.0
+    #: vLLM's own base URL, whose /metrics the NaN count is read from: a gateway's
+    #: copy of it (the target's, when the target is a gateway) is only as recent as
+    #: its last scrape of vLLM, every 15 s by default.
+    vllm_metrics: str | None = None
 
 
 @dataclass
@@ -265,6 +269,12 @@ async def run_probe(
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         client = Client(config, session)
         before = await _target_counters(session, config.target)
+        counted_at = config.vllm_metrics
+        nan_before = (
+            (await _target_counters(session, counted_at)).nan_requests
+            if counted_at
+            else before.nan_requests
+        )
         outcomes: list[Outcome] = []
         total = (
             config.episodes * config.steps
@@ -300,9 +310,14 @@ async def run_probe(
 
             await asyncio.gather(*(one(b) for b in load_jsonl(Path(config.workload))))
         duration = time.perf_counter() - client.started
-        if before.nan_requests is not None:
+        if nan_before is not None:
             await asyncio.sleep(1.0)  # vLLM counts a request's NaNs as its stats arrive
         after = await _target_counters(session, config.target)
+        nan_after = (
+            (await _target_counters(session, counted_at)).nan_requests
+            if counted_at
+            else after.nan_requests
+        )
     backend_hit_rate = after.gateway_hit_ratio
     cache_before, cache_after = before.prefix_cache, after.prefix_cache
     if cache_before and cache_after and cache_after.queries > cache_before.queries:
@@ -310,9 +325,7 @@ async def run_probe(
             cache_after.queries - cache_before.queries
         )
     nan_requests = (
-        after.nan_requests - before.nan_requests
-        if before.nan_requests is not None and after.nan_requests is not None
-        else None
+        nan_after - nan_before if nan_before is not None and nan_after is not None else None
     )
     report = ProbeReport(
         config.target, len(outcomes), duration, outcomes, backend_hit_rate, nan_requests
