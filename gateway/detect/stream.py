@@ -191,7 +191,7 @@ class StreamInspector:
             index = choice_index(raw, position)
             state = self._choice(index)
             if self.watch_nan:
-                self._watch_logprobs(state, raw, index)
+                self._watch_logprobs(state, raw.get("logprobs"), index)
             delta = raw.get("delta")
             if isinstance(delta, dict):
                 self._feed_delta(state, delta)
@@ -219,7 +219,7 @@ class StreamInspector:
         if state is None:
             return False
         if self.watch_nan:
-            self._watch_logprobs(state, raw, index)
+            self._watch_logprobs(state, raw.get("logprobs"), index)
         content = delta.get("content")
         if type(content) is str and content:
             tracker = state.content
@@ -234,8 +234,8 @@ class StreamInspector:
             state.finish_reason = finish
         return True
 
-    def _watch_logprobs(self, state: _StreamChoice, raw: Mapping[str, Any], index: int) -> None:
-        logprobs = raw.get("logprobs")
+    def _watch_logprobs(self, state: _StreamChoice, logprobs: object, index: int) -> None:
+        """``logprobs``: the tokens of the piece about to be fed, in any API's shape."""
         if logprobs is not None and sampled_logprob_is_nan(logprobs):
             self.mark_nan(state, index)
 
@@ -291,8 +291,8 @@ class StreamInspector:
         none yet counts as a call), or the output's finish reason; ``logprobs``, the
         piece's tokens' (read for a NaN where ``watch_nan``)."""
         state = self._choice(index)
-        if self.watch_nan and logprobs is not None and sampled_logprob_is_nan(logprobs):
-            self.mark_nan(state, index)
+        if self.watch_nan:
+            self._watch_logprobs(state, logprobs, index)
         self._feed_text(state.content, state.content_parts, content)
         self._feed_text(state.reasoning, state.reasoning_parts, reasoning)
         if tool_arguments is not None:
