@@ -3,6 +3,7 @@
 #
 #   bash tests/perf/gpu/run.sh plugin  [OUT]   # 1. the plugin in its target configuration
 #   bash tests/perf/gpu/run.sh gateway [OUT]   # 2. the gateway at GPU speed
+#   bash tests/perf/gpu/run.sh stub    [OUT]   # 3. the relay against a GPU-paced stub, no vLLM
 #
 # Both serve a tiny Qwen3-Next-shaped model (three Gated-DeltaNet layers, one attention
 # layer, MoE, one MTP layer; random weights, mk_tiny.py + tinyinit.py) with prefix
@@ -16,7 +17,12 @@
 # 2. One stock server on cores 0-7; vLLM's own `bench serve` (prefix_repetition:
 #    4 x 512-token prefixes, 32-token answers, ignore_eos) direct and through a gateway
 #    per release policy (auto, the default; adaptive), each gateway on cores of its own,
-#    at c=8 and c=64: TTFT, ITL, throughput.
+#    at c=8 and c=64: TTFT, ITL, throughput. CONCS="64 256" POLICIES="off off2" picks the
+#    concurrencies and gateways (off2: the guard off, two workers); each gateway's CPU
+#    seconds per run from /proc; PROFILE=1 records the "off" gateway with py-spy (its wheel
+#    in .gpu/tools/) during the last concurrency's run: a collapsed-stack file.
+# 3. tests/perf/bench_event_rate.py on this machine's CPUs (no GPU, no vLLM): the same
+#    relay against a stub that steps like an engine, direct vs through, CPU per event.
 #
 # Where vLLM is not installed (the lent H200), the bundle built by build.sh is used: carry
 # .gpu/ with the checkout. Figures: BENCHMARKS.md, "On a GPU".
@@ -62,7 +68,7 @@ start_vllm() { # tag, env assignments..., then -- and extra flags
   local tag=$1; shift; local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
   env "${envs[@]}" PYTHONPATH=$VLLM_PATH setsid taskset -c $VLLM_CORES python3 -m vllm.entrypoints.cli.main \
     serve /tmp/tiny --served-model-name tiny --load-format dummy --dtype bfloat16 --max-model-len 4096 \
-    --max-num-seqs 128 --gpu-memory-utilization 0.30 --gdn-prefill-backend triton \
+    --max-num-seqs ${MAX_SEQS:-128} --gpu-memory-utilization 0.30 --gdn-prefill-backend triton \
     --attention-backend TRITON_ATTN --enable-prompt-tokens-details --disable-uvicorn-access-log \
     --port 8000 --enable-prefix-caching \
     --speculative-config '{"method":"mtp","num_speculative_tokens":2,"attention_backend":"TRITON_ATTN"}' \
@@ -90,17 +96,35 @@ if [ "$MODE" = plugin ]; then
   exit 0
 fi
 
+if [ "$MODE" = stub ]; then
+  PYTHONPATH=$GATEWAY_PATH python3 "$ROOT/tests/perf/bench_event_rate.py" --rounds ${ROUNDS:-1} \
+    --concurrency ${CONCS:-64,128} --proxy-cpus 2-3 --load-cpus 4-15 --peers ${PEERS:-aiohttp,workers2}
+  exit 0
+fi
+
 # -- 2. the gateway at GPU speed ------------------------------------------------------------
+if [ "${PROFILE:-0}" = 1 ] && ! command -v py-spy >/dev/null; then
+  python3 -c "import zipfile,glob; zipfile.ZipFile(glob.glob('$BUNDLE/tools/py_spy-*.whl')[0]).extractall('/tmp/pyspy')"
+  install -m 755 /tmp/pyspy/py_spy-*.data/scripts/py-spy /usr/local/bin/py-spy
+fi
+cpu_of() { # CPU seconds of a process and its children (workers), from /proc
+  local total=0 p
+  for p in $1 $(cat /proc/$1/task/*/children 2>/dev/null); do
+    total=$(( total + $(awk '{print $14 + $15}' /proc/$p/stat 2>/dev/null || echo 0) ))
+  done
+  echo $total
+}
 start_vllm gateway-bench VLLM_GUARD_FIX_DISABLE=1 -- || exit 6
-port=9000; GATEWAYS=()
+port=9000; GATEWAYS=(); declare -A GPIDS
 for policy in ${POLICIES:-off auto adaptive}; do  # off: the guard off, the relay alone
   first=$(( CORES / 2 + (${#GATEWAYS[@]}) * 2 ))
-  if [ $policy = off ]; then guard="{mode: \"off\"}"; else guard="{stream: {release: $policy}}"; fi
-  printf 'upstream:\n  backends: [{name: vllm, url: "http://127.0.0.1:8000"}]\nguard: %s\n' \
-    "$guard" > "$OUT/gateway_$policy.yaml"
+  workers=1; guard="{stream: {release: $policy}}"
+  case $policy in off) guard="{mode: \"off\"}";; off2) guard="{mode: \"off\"}"; workers=2;; esac
+  printf 'upstream:\n  backends: [{name: vllm, url: "http://127.0.0.1:8000"}]\nguard: %s\nserver: {workers: %s}\n' \
+    "$guard" $workers > "$OUT/gateway_$policy.yaml"
   PYTHONPATH=$GATEWAY_PATH taskset -c $first-$(( first + 1 )) python3 -m gateway.cli serve \
     --config "$OUT/gateway_$policy.yaml" --host 127.0.0.1 --port $port > "$OUT/gateway_$policy.log" 2>&1 &
-  GATEWAYS+=("$policy=http://127.0.0.1:$port"); port=$((port + 1))
+  GATEWAYS+=("$policy=http://127.0.0.1:$port"); GPIDS[$policy]=$!; port=$((port + 1))
 done
 for g in "${GATEWAYS[@]}"; do
   for _ in $(seq 1 60); do curl -sf -o /dev/null "${g#*=}/readyz" && break; sleep 1; done
@@ -122,13 +146,21 @@ bench() { # name url concurrency prompts
 curl -s http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
   -d '{"model":"tiny","prompt":"Open the settings page and","max_tokens":32,"temperature":0}' \
   > "$OUT/sample.json"
-for conc in 8 64; do
+getconf CLK_TCK > "$OUT/clk_tck.txt"
+LAST_CONC=${CONCS:-8 64}; LAST_CONC=${LAST_CONC##* }
+for conc in ${CONCS:-8 64}; do
   prompts=$(( conc * ${ROUNDS_PER_CLIENT:-8} ))
   # The prefixes cached and the kernels warm (CUDA graphs per batch size) for every route.
   bench warmup http://127.0.0.1:8000 $conc $prompts
   for route in "direct=http://127.0.0.1:8000" "${GATEWAYS[@]}"; do
-    name=${route%%=*}
+    name=${route%%=*}; pid=${GPIDS[$name]:-}; before=0
+    [ -n "$pid" ] && before=$(cpu_of $pid)
+    if [ "${PROFILE:-0}" = 1 ] && [ "$name" = off ] && [ $conc = "$LAST_CONC" ]; then
+      py-spy record --nonblocking -r 250 -d ${PROFILE_S:-15} -f raw -o "$OUT/profile_off_c$conc.txt" \
+        -p $pid > "$OUT/pyspy.log" 2>&1 &
+    fi
     bench "$name" "${route#*=}" $conc $prompts
+    [ -n "$pid" ] && echo $(( $(cpu_of $pid) - before )) > "$OUT/cpu_ticks_c${conc}_$name.txt"
     say "c=$conc $name done"
   done
 done
