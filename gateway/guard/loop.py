@@ -243,7 +243,9 @@ class Guard:
         backend = attempt.backend
         trace.degenerate_seen = True
         trace.kinds.append(kind)
-        self.metrics.count_degenerate(trace.model, backend.name, kind, trace.request.endpoint)
+        self.metrics.count_degenerate(
+            trace.model, backend.name, backend.address, kind, trace.request.endpoint
+        )
         self.accounting.capture(attempt, trace, kind)
         self.salting.forget(attempt, trace)
         retrying = self.mode is GuardMode.ENFORCE and self._may_retry(trace, backend)
@@ -643,8 +645,9 @@ class Guard:
         """A released stream degenerated: counted and captured."""
         trace.degenerate_seen = True
         trace.kinds.append(kind)
+        backend = attempt.backend
         self.metrics.count_degenerate(
-            trace.model, attempt.backend.name, kind, trace.request.endpoint
+            trace.model, backend.name, backend.address, kind, trace.request.endpoint
         )
         self.accounting.capture(attempt, trace, kind)
 

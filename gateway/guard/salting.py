@@ -32,6 +32,7 @@ class Salting:
         self.redis = (
             RedisLink(settings.state, metrics) if settings.state.redis_url is not None else None
         )
+        metrics.state_shared_configured.set(1 if self.redis is not None else 0)
         self.shared_salts = (
             SharedSaltMemory(local_salts, self.redis, self.settings) if self.redis else None
         )

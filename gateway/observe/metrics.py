@@ -2,8 +2,15 @@
 
 Label values are bounded sets: models from configuration or the backends'
 ``/v1/models`` (anything else is ``other``), configured backend names, and fixed
-enums. With ``--workers N`` the CLI sets ``PROMETHEUS_MULTIPROC_DIR`` before any
-worker starts, and ``render`` merges every worker's files, so totals add up.
+enums. The per-backend series (``vllm_guard_backend_*``) also carry
+``backend_address``, the pod's ``host:port`` (``Backend.address``): a discovered
+pod's ``backend`` is a slot (``vllm-0``) that differs between replicas with
+different discovery histories, its address does not, so rules that join replicas
+group by it. One per pod in the pool: a departed pod's series are removed
+(``forget_backend``).
+
+With ``--workers N`` the CLI sets ``PROMETHEUS_MULTIPROC_DIR`` before any worker
+starts, and ``render`` merges every worker's files, so totals add up.
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ from gateway import __version__
 from gateway.errors import GatewayError
 
 OTHER = "other"
+#: The labels of every per-backend series: the backend's name (a discovered pod's
+#: slot) and its address (the pod's ``host:port``, the same in every replica).
+BACKEND_LABELS = ("backend", "backend_address")
 MAX_DISCOVERED_MODELS = 64
 
 #: From 100 µs (gateway overhead) to 20 minutes (long generations).
@@ -286,7 +296,7 @@ class Metrics:
         self.backend_up = Gauge(
             "vllm_guard_backend_up",
             "1 when the backend answered its last health check.",
-            ["backend"],
+            BACKEND_LABELS,
             registry=r,
             multiprocess_mode="mostrecent",
         )
@@ -294,7 +304,7 @@ class Metrics:
             "vllm_guard_backend_prefix_cache_hit_ratio",
             "Backend prefix-cache hit ratio over the last scrape interval "
             "(delta of vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total).",
-            ["backend"],
+            BACKEND_LABELS,
             registry=r,
             multiprocess_mode="mostrecent",
         )
@@ -305,7 +315,7 @@ class Metrics:
             "VLLM_COMPUTE_NANS_IN_LOGITS=1), as last scraped: the bug's signature seen "
             "from inside the server, beside the gateway's degenerate attempts. A counter "
             "of the backend's (it restarts at 0 with vLLM): take increase().",
-            ["backend"],
+            BACKEND_LABELS,
             registry=r,
             multiprocess_mode="mostrecent",
         )
@@ -316,21 +326,21 @@ class Metrics:
             "being one). Starts at 0 for every backend that counts NaNs, so that its "
             "first increase is seen (vllm_guard_degenerate_responses_total's series "
             "appear with their first count).",
-            ["backend"],
+            BACKEND_LABELS,
             registry=r,
         )
         self.backend_counts_nans = Gauge(
             "vllm_guard_backend_counts_nans",
             "1 when the backend's /metrics has vllm:corrupted_requests (vLLM started with "
             "VLLM_COMPUTE_NANS_IN_LOGITS=1), 0 when it does not.",
-            ["backend"],
+            BACKEND_LABELS,
             registry=r,
             multiprocess_mode="mostrecent",
         )
         self.backend_info = Gauge(
             "vllm_guard_backend_info",
             "The backend's vLLM version (value is always 1).",
-            ["backend", "version"],
+            [*BACKEND_LABELS, "version"],
             registry=r,
             multiprocess_mode="mostrecent",
         )
@@ -338,7 +348,7 @@ class Metrics:
             "vllm_guard_backend_fix_info",
             "The backend's vllm-guard-fix status from its own /metrics (1 for the current "
             "one): active, refused, disabled, or absent (no plugin); role as configured.",
-            ["backend", "role", "status"],
+            [*BACKEND_LABELS, "role", "status"],
             registry=r,
             multiprocess_mode="mostrecent",
         )
@@ -356,6 +366,14 @@ class Metrics:
             "written again. op: set, forget.",
             ["op"],
             registry=r,
+        )
+        self.state_shared_configured = Gauge(
+            "vllm_guard_state_shared_configured",
+            "1 when this process is configured to share its memory through Redis "
+            "(state.redis_url set), 0 when it is not: vllm_guard_state_shared is 0 in "
+            "both cases, this tells a lost Redis from none.",
+            registry=r,
+            multiprocess_mode="max",
         )
         self.state_shared = Gauge(
             "vllm_guard_state_shared",
@@ -390,28 +408,42 @@ class Metrics:
         if not multiprocess_enabled():
             ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes
 
-    def forget_backend(self, name: str) -> None:
-        """A discovered backend left (its slot is free): its per-backend gauges go, so
-        that a gone pod is neither shown up nor alerted on as down. In multiprocess
-        mode a gauge's file outlives ``remove``: the value left there is NaN, which
-        no ``== 0`` alert matches, until the slot is taken again."""
-        per_backend = (
+    def forget_backend(self, name: str, address: str, slot_taken: bool = False) -> None:
+        """A discovered pod left: its per-backend series (``name``, ``address``) go, so
+        that a gone pod is neither shown up nor alerted on as down, and the pods'
+        series stay one per pod in the pool. ``slot_taken``: a pod that joined in the
+        same resolution has the slot (``name``) already, and keeps the series labelled
+        by the slot alone (``vllm_guard_upstream_connection_wait_seconds``). In
+        multiprocess mode a gauge's file outlives ``remove``: the value left there is
+        NaN, which no ``== 0`` alert matches."""
+        gauges = (
             self.backend_up,
             self.backend_hit_ratio,
             self.backend_nan_requests,
             self.backend_counts_nans,
+            self.backend_info,
+            self.backend_fix_info,
         )
-        for gauge in per_backend:
-            gauge.labels(name).set(math.nan)
-        for metric in (*per_backend, self.connection_wait, self.backend_degenerate_attempts):
+        for gauge in gauges:
+            for labelvalues in _children_of(gauge, (name, address)):
+                gauge.labels(*labelvalues).set(math.nan)
+        for metric in (*gauges, self.backend_degenerate_attempts):
+            for labelvalues in _children_of(metric, (name, address)):
+                with contextlib.suppress(KeyError):
+                    metric.remove(*labelvalues)
+                getattr(metric, "_remembered", {}).pop(labelvalues, None)
+        if not slot_taken:
             with contextlib.suppress(KeyError):
-                metric.remove(name)
-            getattr(metric, "_remembered", {}).pop((name,), None)
+                self.connection_wait.remove(name)
+            getattr(self.connection_wait, "_remembered", {}).pop((name,), None)
 
-    def count_degenerate(self, model: str, backend: str, kind: str, endpoint: str) -> None:
-        """An attempt judged degenerate (before or after its release)."""
+    def count_degenerate(
+        self, model: str, backend: str, address: str, kind: str, endpoint: str
+    ) -> None:
+        """An attempt judged degenerate (before or after its release) on the backend
+        named ``backend`` at ``address`` (``Backend.address``)."""
         self.degenerate.labels(model, backend, kind, endpoint).inc()
-        self.backend_degenerate_attempts.labels(backend).inc()
+        self.backend_degenerate_attempts.labels(backend, address).inc()
 
     def count_answered(self, endpoint: str, error: GatewayError) -> None:
         """A request the gateway answered itself (when ``error`` is one it answers)."""
@@ -438,3 +470,9 @@ class Metrics:
             ProcessCollector(registry=merged)
             return generate_latest(merged), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _children_of(metric: MetricWrapperBase, prefix: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The label values of ``metric``'s children whose first values are ``prefix``."""
+    with metric._lock:
+        return [tuple(k) for k in metric._metrics if tuple(k[: len(prefix)]) == prefix]

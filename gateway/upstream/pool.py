@@ -113,6 +113,11 @@ class Backend:
     in_flight: int = 0
     #: Parsed URLs of the guarded paths on this backend (``_url``).
     parsed_urls: dict[str, URL] = field(default_factory=dict)
+    #: ``host:port`` of the URL: the metrics' ``backend_address`` label (``backend_address``).
+    address: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.address = backend_address(self.settings.url)
 
     @property
     def name(self) -> str:
@@ -127,7 +132,8 @@ class Backend:
         """What conversation affinity hashes: the backend's URL, which names the pod
         (a discovered pod's address) the same in every replica and worker, whatever
         order each found the pods in. The name is not: a discovered pod's slot
-        (``vllm-0``) depends on the discovery history of the process."""
+        (``vllm-0``) depends on the discovery history of the process. Metrics name it
+        by ``address``, the same pod's ``host:port``."""
         return self.settings.url
 
     def mark(self, healthy: bool) -> None:
@@ -243,6 +249,19 @@ class Backend:
             return False
 
 
+def backend_address(url: str) -> str:
+    """The ``backend_address`` label of a backend at ``url``: ``host:port`` (the scheme's
+    default port when the URL names none; an IPv6 host in brackets), as routing's
+    identity (the URL) names it. A discovered pod's is its own address and port, the
+    same in every replica whatever slot it holds there, and what a PodMonitor's
+    ``__address__`` is for that pod; a configured backend's is its URL's."""
+    parsed = URL(url)
+    host = parsed.host or ""
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{parsed.port}" if parsed.port is not None else host
+
+
 @contextlib.contextmanager
 def map_transport_errors(backend: Backend) -> Iterator[None]:
     """Translate transport exceptions into GatewayErrors, once, for every caller."""
@@ -338,8 +357,10 @@ class BackendPool:
         #: Backends found by DNS (``discover: true``), each address in its slot.
         self.discovered = [DiscoveredBackends(b) for b in settings.backends if b.discover]
         self._members: dict[tuple[int, str], Backend] = {}
-        #: Called with a departed backend's name once it has left the pool.
-        self.on_departed: list[Callable[[str], None]] = []
+        #: Called for each departed backend once it has left the pool: its name, its
+        #: address (``Backend.address``), and whether its slot (the name) is already
+        #: taken by a pod that joined in the same resolution.
+        self.on_departed: list[Callable[[str, str, bool], None]] = []
         self._index()
         self._health = Periodic(settings.health_interval_s, self.check_all, "health check")
         self._discovery = Periodic(settings.discovery_interval_s, self.discover, "discovery")
@@ -390,10 +411,10 @@ class BackendPool:
             if change is None:
                 continue
             joined, departed = change
-            departed_names = []
+            gone: list[Backend] = []
             for address in departed:
                 backend = self._members.pop((group, address))
-                departed_names.append(backend.name)
+                gone.append(backend)
                 backend.healthy = False  # requests under way finish; no new ones
                 self.backends.remove(backend)
                 log.warning("backend %s (%s) left: its address is gone", backend.name, address)
@@ -410,10 +431,10 @@ class BackendPool:
                 )
             self._index()
             taken = {b.name for b in self.backends}
-            for name in departed_names:
-                if name not in taken:  # a slot taken again keeps its series
-                    for hook in self.on_departed:
-                        hook(name)
+            for backend in gone:
+                for hook in self.on_departed:
+                    # a slot taken again keeps its per-slot series (its new pod's)
+                    hook(backend.name, backend.address, backend.name in taken)
 
     @property
     def names(self) -> list[str]:

@@ -7,7 +7,9 @@ own count of requests with NaN logits, ``vllm:corrupted_requests``: ground truth
 beside the guard's verdicts, where the server computes it),
 ``vllm_guard_backend_info{version}`` and ``vllm_guard_backend_fix_info{status}``
 (what the backend's vllm-guard-fix plugin says of itself: ``active``, ``refused``,
-``disabled``, or ``absent`` without the plugin), and teaches the metrics which
+``disabled``, or ``absent`` without the plugin), each labelled ``backend`` (its name,
+a discovered pod's slot) and ``backend_address`` (the pod's ``host:port``, the same in
+every replica: ``Backend.address``), and teaches the metrics which
 model names are real (the bounded label set). A ``role: fixed`` backend whose fix
 is not active is logged: retries sent there are not fixed, whatever its role says.
 """
@@ -119,7 +121,7 @@ class BackendScraper:
             return None
 
     async def _scrape(self, backend: Backend) -> None:
-        self.metrics.backend_up.labels(backend.name).set(1 if backend.healthy else 0)
+        self.metrics.backend_up.labels(*_labels(backend)).set(1 if backend.healthy else 0)
         text = await self._get(backend, "/metrics")
         if text is not None:
             counters = parse_prefix_cache(text)
@@ -127,13 +129,13 @@ class BackendScraper:
                 ratio = hit_ratio(self._last.get(_key(backend)), counters)
                 self._last[_key(backend)] = counters
                 if ratio is not None:
-                    self.metrics.backend_hit_ratio.labels(backend.name).set(ratio)
+                    self.metrics.backend_hit_ratio.labels(*_labels(backend)).set(ratio)
             self._record_fix_status(backend, parse_fix_status(text))
             nan_requests = parse_nan_requests(text)
-            self.metrics.backend_counts_nans.labels(backend.name).set(nan_requests is not None)
+            self.metrics.backend_counts_nans.labels(*_labels(backend)).set(nan_requests is not None)
             if nan_requests is not None:
-                self.metrics.backend_nan_requests.labels(backend.name).set(nan_requests)
-                self.metrics.backend_degenerate_attempts.labels(backend.name)  # from 0
+                self.metrics.backend_nan_requests.labels(*_labels(backend)).set(nan_requests)
+                self.metrics.backend_degenerate_attempts.labels(*_labels(backend))  # from 0
         if _key(backend) not in self._versions:
             await self._learn_identity(backend)
 
@@ -143,9 +145,9 @@ class BackendScraper:
             return
         self._fix_status[_key(backend)] = status
         for other in FIX_STATUSES:  # one status per backend at a time
-            self.metrics.backend_fix_info.labels(backend.name, backend.settings.role, other).set(
-                1 if other == status else 0
-            )
+            self.metrics.backend_fix_info.labels(
+                *_labels(backend), backend.settings.role, other
+            ).set(1 if other == status else 0)
         if backend.settings.role is BackendRole.FIXED and status != "active":
             log.warning(
                 "backend %s has role fixed but its vLLM reports vllm-guard-fix %s: "
@@ -167,7 +169,7 @@ class BackendScraper:
                 version = orjson.loads(version_body).get("version")
                 if isinstance(version, str) and len(version) <= 64:
                     self._versions[_key(backend)] = version
-                    self.metrics.backend_info.labels(backend.name, version).set(1)
+                    self.metrics.backend_info.labels(*_labels(backend), version).set(1)
 
     async def scrape_once(self) -> None:
         await asyncio.gather(*(self._scrape(b) for b in self.pool.backends))
@@ -188,3 +190,8 @@ def _key(backend: Backend) -> tuple[str, str]:
     """What the scrape remembers a backend by: its name and URL, so a discovered slot
     taken by a new pod starts afresh (its counters, version and fix status)."""
     return backend.name, backend.url
+
+
+def _labels(backend: Backend) -> tuple[str, str]:
+    """A backend's per-backend series' labels: ``backend``, ``backend_address``."""
+    return backend.name, backend.address

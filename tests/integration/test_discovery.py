@@ -64,7 +64,8 @@ def test_pods_found_by_dns_are_backends_and_only_a_leaving_pods_conversations_mo
     during = {c: turn(c, 2) for c in conversations}
     assert set(during.values()) == {"127.0.0.2"}
     metrics = httpx.get(gateway.url + "/metrics").text
-    assert 'vllm_guard_backend_up{backend="vllm-1"}' not in metrics  # gone, not "down"
+    assert 'vllm_guard_backend_up{backend="vllm-1"' not in metrics  # gone, not "down"
+    assert 'backend_address="127.0.0.3:' not in metrics
 
     dns.answer = ["127.0.0.2", "127.0.0.4"]  # a new pod joins, in the free slot
     assert wait_for(

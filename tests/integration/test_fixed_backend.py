@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ARTIFACTS, GatewayFactory, RunningVLLM, openai_client
+from conftest import ARTIFACTS, GatewayFactory, RunningVLLM, openai_client, scraped_metric
 from support.servers import VLLMServer, vllm_python
 from support.workload import is_corrupt, long_prompt
 
@@ -162,9 +162,14 @@ def test_retries_go_to_the_fixed_backend(
     assert fixed_before > 0
     # The gateway reads each backend's own word on the fix, not its configured role.
     fix = "vllm_guard_backend_fix_info"
-    assert f'{fix}{{backend="fixed",role="fixed",status="active"}} 1.0' in metrics
-    assert f'{fix}{{backend="stock",role="primary",status="disabled"}} 1.0' in metrics
-    assert f'{fix}{{backend="fixed",role="fixed",status="disabled"}} 0.0' in metrics
+    for backend, role, status, value in (
+        ("fixed", "fixed", "active", 1),
+        ("stock", "primary", "disabled", 1),
+        ("fixed", "fixed", "disabled", 0),
+    ):
+        labels = {"backend": backend, "role": role, "status": status}
+        assert scraped_metric(gateway.url, fix, **labels) == value
+        assert f'{fix}{{backend="{backend}",backend_address="' in metrics
 
 
 def test_a_fixed_role_on_a_stock_vllm_is_called_out(
@@ -172,9 +177,8 @@ def test_a_fixed_role_on_a_stock_vllm_is_called_out(
 ) -> None:
     with caplog.at_level("WARNING", logger="gateway.upstream.scrape"):
         gateway = gateway_for([], backends=_two_backends(vllm.url, vllm.url))
-    metrics = httpx.get(gateway.url + "/metrics").text
     fix = "vllm_guard_backend_fix_info"
-    assert f'{fix}{{backend="fixed",role="fixed",status="disabled"}} 1.0' in metrics
+    assert scraped_metric(gateway.url, fix, backend="fixed", role="fixed", status="disabled") == 1
     warnings = [r.getMessage() for r in caplog.records if r.name == "gateway.upstream.scrape"]
     assert any(
         "backend fixed has role fixed but its vLLM reports vllm-guard-fix disabled" in w

@@ -111,6 +111,8 @@ def test_a_real_prometheus_raises_the_recall_gap_only_for_what_the_detector_miss
 
     from support.prometheus import PrometheusServer
 
+    from gateway.upstream.pool import backend_address
+
     alerts = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml"
     sections = {
         "upstream": {"metrics_scrape_interval_s": 0.5},
@@ -160,4 +162,4 @@ def test_a_real_prometheus_raises_the_recall_gap_only_for_what_the_detector_miss
         seen_by_prometheus(prom)
         (alert,) = prom.query(pending)
         assert alert["metric"]["alertstate"] == "pending"
-        assert alert["metric"]["backend"] == "vllm0"
+        assert alert["metric"]["backend_address"] == backend_address(vllm.url)  # the pod

@@ -82,7 +82,9 @@ def test_monitoring_objects_carry_the_release_label_and_the_tested_rules() -> No
 
 def test_the_vllm_pod_monitor_labels_each_pod_as_a_backend() -> None:
     """vLLM's own metrics (and the fixed backend's) in kube-prometheus-stack as in
-    compose: a PodMonitor for the pods the selector names, each labelled ``backend``."""
+    compose: a PodMonitor for the pods the selector names, each labelled ``backend``, and
+    ``backend_address`` (its IP and port), which the gateway's per-backend series of a
+    pod found by DNS carry too."""
     objects = template("--set", "vllmPodMonitor.enabled=true",
                        "--set", "vllmPodMonitor.selector.app=my-vllm")  # fmt: skip
     monitor = one(objects, "PodMonitor")
@@ -94,7 +96,8 @@ def test_the_vllm_pod_monitor_labels_each_pod_as_a_backend() -> None:
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["port"] == "http"
     assert endpoint["relabelings"] == [
-        {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "backend"}
+        {"sourceLabels": ["__meta_kubernetes_pod_name"], "targetLabel": "backend"},
+        {"sourceLabels": ["__address__"], "targetLabel": "backend_address"},
     ]
     assert not [o for o in template() if o["kind"] == "PodMonitor"]
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import prometheus_client
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -92,15 +95,148 @@ def exposition(registry: CollectorRegistry) -> list[str]:
 
 def test_a_departed_backend_leaves_no_gauge_behind() -> None:
     """A discovered pod that left is not shown up, nor alerted on as down; its slot,
-    taken again, reports afresh."""
+    taken again by another pod, reports afresh under the new pod's address."""
     registry = CollectorRegistry()
     metrics = Metrics(registry, models=["m"], backends=["vllm-0", "vllm-1"])
-    for name in ("vllm-0", "vllm-1"):
-        metrics.backend_up.labels(name).set(0)
-        metrics.backend_hit_ratio.labels(name).set(0.5)
-    metrics.forget_backend("vllm-1")
+    pods = {"vllm-0": "10.0.0.1:8000", "vllm-1": "10.0.0.2:8000"}
+    for name, address in pods.items():
+        metrics.backend_up.labels(name, address).set(0)
+        metrics.backend_hit_ratio.labels(name, address).set(0.5)
+        metrics.backend_info.labels(name, address, "0.11.0").set(1)
+        metrics.backend_fix_info.labels(name, address, "primary", "absent").set(1)
+        metrics.count_degenerate("m", name, address, "punct_run", "chat")
+        metrics.connection_wait.labels(name).observe(0.0)
+    metrics.forget_backend("vllm-1", "10.0.0.2:8000")
     text = generate_latest(registry).decode()
     assert 'backend="vllm-0"' in text
-    assert 'backend="vllm-1"' not in text
-    metrics.backend_up.labels("vllm-1").set(1)
-    assert 'vllm_guard_backend_up{backend="vllm-1"} 1.0' in generate_latest(registry).decode()
+    assert 'backend_address="10.0.0.2:8000"' not in text
+    per_pod = [line for line in text.splitlines() if "vllm-1" in line]
+    assert per_pod  # the per-request counters keep their counts
+    assert all(line.startswith("vllm_guard_degenerate_responses") for line in per_pod)
+    metrics.backend_up.labels("vllm-1", "10.0.0.3:8000").set(1)
+    assert (
+        'vllm_guard_backend_up{backend="vllm-1",backend_address="10.0.0.3:8000"} 1.0'
+        in generate_latest(registry).decode()
+    )
+
+
+def test_a_slot_taken_again_in_the_same_resolution_drops_only_the_old_pods_series() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, models=["m"], backends=[])
+    metrics.backend_up.labels("vllm-0", "10.0.0.1:8000").set(1)
+    metrics.backend_up.labels("vllm-0", "10.0.0.9:8000").set(1)  # the new pod, same slot
+    metrics.connection_wait.labels("vllm-0").observe(0.0)
+    metrics.forget_backend("vllm-0", "10.0.0.1:8000", slot_taken=True)
+    text = generate_latest(registry).decode()
+    assert "10.0.0.1:8000" not in text
+    assert 'vllm_guard_backend_up{backend="vllm-0",backend_address="10.0.0.9:8000"} 1.0' in text
+    assert 'vllm_guard_upstream_connection_wait_seconds_count{backend="vllm-0"} 1.0' in text
+
+
+def test_backend_address_is_host_and_port_of_the_url_routing_hashes() -> None:
+    from gateway.upstream.pool import backend_address
+
+    assert backend_address("http://10.0.0.5:8000") == "10.0.0.5:8000"
+    assert backend_address("http://[fd00::7]:8000/v1") == "[fd00::7]:8000"
+    assert backend_address("http://vllm-stock:8000/") == "vllm-stock:8000"
+    assert backend_address("http://vllm") == "vllm:80"
+    assert backend_address("https://vllm.example") == "vllm.example:443"
+
+
+def test_replicas_with_swapped_slots_label_each_pods_series_with_its_address(
+    monkeypatch: Any,
+) -> None:
+    """Replica A saw pods .1 and .2, then .1 was replaced by .3; replica B started after
+    that: the pods hold swapped slots in the two. Each replica's per-backend series of
+    one pod (vLLM's NaN count from its /metrics, the degenerate attempts counted
+    against it) carry the same ``backend_address``, the host and port of the URL that
+    conversation affinity hashes (``Backend.identity``), whatever their slot; the
+    departed pod's series are gone from A."""
+    from yarl import URL
+
+    from gateway.config import UpstreamSettings
+    from gateway.upstream import discovery
+    from gateway.upstream.pool import Backend, BackendPool
+    from gateway.upstream.scrape import BackendScraper
+
+    answers: dict[str, list[list[str]]] = {
+        "a": [["10.0.0.1", "10.0.0.2"], ["10.0.0.2", "10.0.0.3"]],
+        "b": [["10.0.0.2", "10.0.0.3"]],
+    }
+    replica = "a"
+    nan_counts = {"10.0.0.1": 5, "10.0.0.2": 7, "10.0.0.3": 11}
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return answers[replica].pop(0)
+
+    async def healthy(self: Backend, timeout_s: float) -> bool:
+        return True
+
+    async def get(self: BackendScraper, backend: Backend, path: str) -> bytes | None:
+        if path != "/metrics":
+            return None
+        count = nan_counts[URL(backend.url).host or ""]
+        return f'vllm:corrupted_requests_total{{engine="0"}} {count}.0\n'.encode()
+
+    monkeypatch.setattr(discovery, "resolve_addresses", resolver)
+    monkeypatch.setattr(Backend, "probe_health", healthy)
+    monkeypatch.setattr(BackendScraper, "_get", get)
+    settings = UpstreamSettings.model_validate(
+        {"backends": [{"name": "vllm", "url": "http://pods.test:8000", "discover": True}]}
+    )
+
+    async def run() -> list[tuple[BackendPool, Metrics]]:
+        nonlocal replica
+        replicas = []
+        for replica in ("a", "b"):
+            pool = BackendPool(settings)
+            metrics = Metrics(CollectorRegistry(), models=[], backends=[])
+            pool.on_departed.append(metrics.forget_backend)
+            scraper = BackendScraper(pool, metrics, settings)
+            for _ in answers[replica][:]:
+                await pool.discover()
+                await scraper.scrape_once()
+            for backend in pool.backends:
+                metrics.count_degenerate("m", backend.name, backend.address, "empty", "chat")
+            await pool.session.close()
+            await pool.fresh_session.close()
+            replicas.append((pool, metrics))
+        return replicas
+
+    replicas = asyncio.run(run())
+    slots: dict[str, set[str]] = {}
+    for pool, metrics in replicas:
+        text = generate_latest(metrics.registry).decode()
+        assert "10.0.0.1" not in text  # the departed pod left nothing behind
+        for backend in pool.backends:
+            identity = URL(backend.identity)
+            assert backend.address == f"{identity.host}:{identity.port}"
+            labels = f'backend="{backend.name}",backend_address="{backend.address}"'
+            count = nan_counts[identity.host or ""]
+            assert f"vllm_guard_backend_nan_requests{{{labels}}} {count}.0" in text
+            assert f"vllm_guard_backend_degenerate_attempts_total{{{labels}}} 1.0" in text
+            assert f"vllm_guard_backend_up{{{labels}}} 1.0" in text
+            slots.setdefault(backend.address, set()).add(backend.name)
+    # the same pod, two slot names: only the address joins the two replicas
+    assert slots == {"10.0.0.2:8000": {"vllm-0", "vllm-1"}, "10.0.0.3:8000": {"vllm-0", "vllm-1"}}
+
+
+def test_state_shared_configured_says_whether_redis_is_configured() -> None:
+    """vllm_guard_state_shared is 0 both without Redis and with Redis lost: the
+    configured gauge tells them apart (1 only with state.redis_url)."""
+    from gateway.config import Settings
+    from gateway.guard.salting import Salting
+
+    async def configured(state: dict[str, Any]) -> str:
+        metrics = Metrics(CollectorRegistry(), models=[], backends=[])
+        salting = Salting(Settings.model_validate({"state": state}), metrics, reuse=True)
+        if salting.redis is not None:
+            await salting.redis.client.aclose()
+        return generate_latest(metrics.registry).decode()
+
+    without = asyncio.run(configured({}))
+    assert "vllm_guard_state_shared_configured 0.0" in without
+    assert "vllm_guard_state_shared 0.0" in without
+    with_redis = asyncio.run(configured({"redis_url": "redis://127.0.0.1:1/0"}))
+    assert "vllm_guard_state_shared_configured 1.0" in with_redis
+    assert "vllm_guard_state_shared 0.0" in with_redis  # not connected (yet)
