@@ -55,3 +55,62 @@ def test_the_readme_fits_on_two_screens() -> None:
     assert any(line.startswith("make run") for line in readme[:6])
     assert any(line.startswith("make test") for line in readme[:6])
     assert len(readme) <= 120
+
+
+def metrics_tables() -> tuple[dict[str, list[str]], dict[str, list[float]]]:
+    """docs/metrics.md's tables: each metric's labels, and each histogram's buckets."""
+    labels: dict[str, list[str]] = {}
+    buckets: dict[str, list[float]] = {}
+    for line in (ROOT / "docs" / "metrics.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not line.startswith("| `") or len(cells) < 2:
+            continue
+        names = re.findall(r"`([a-z_:*]+)`", cells[0])
+        if cells[1].startswith("`le`"):  # the buckets table: `le` | bounds
+            bounds = [float(b) for b in re.sub(r"\(.*\)", "", cells[2]).split(",")]
+            buckets.update({name: bounds for name in names})
+        else:
+            labels.update({name: [x.strip() for x in cells[1].split(",") if x.strip()]
+                           for name in names})  # fmt: skip
+    return labels, buckets
+
+
+def test_the_metrics_table_is_what_the_gateway_exports() -> None:
+    """Every series the gateway's registry holds is in docs/metrics.md with the labels
+    it has (a counter under its ``_total`` name), every documented series exists, and
+    every histogram's buckets are the documented ones. Read from the registry, so a
+    metric or a label added later fails here until the table says so."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from gateway.observe.metrics import Histogram, Metrics
+
+    metrics = Metrics(CollectorRegistry(), models=["m"], backends=["b"])
+    wrappers = {m._name: m for m in vars(metrics).values() if isinstance(m, MetricWrapperBase)}
+    exported: dict[str, list[str]] = {}
+    exported_buckets: dict[str, list[float]] = {}
+    for family in metrics.registry.collect():
+        if family.name.startswith("process_"):
+            exported["process_*"] = []
+            continue
+        metric = wrappers[family.name]  # every family is one of Metrics' own
+        name = f"{family.name}_total" if family.type == "counter" else family.name
+        exported[name] = list(metric._labelnames)
+        if isinstance(metric, Histogram):
+            exported_buckets[name] = [b for b in metric._upper_bounds if b != float("inf")]
+    documented, documented_buckets = metrics_tables()
+    problems = {
+        "exported, not documented": sorted(set(exported) - set(documented)),
+        "documented, not exported": sorted(set(documented) - set(exported)),
+        "labels (documented, exported)": {
+            name: (documented[name], labels)
+            for name, labels in exported.items()
+            if name in documented and documented[name] != labels
+        },
+        "buckets differ": sorted(
+            name
+            for name in {*exported_buckets, *documented_buckets}
+            if documented_buckets.get(name) != exported_buckets.get(name)
+        ),
+    }
+    assert {k: v for k, v in problems.items() if v} == {}
