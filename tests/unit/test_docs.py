@@ -38,15 +38,81 @@ def test_a_broken_link_fails_the_build(tmp_path: Path) -> None:
     assert "gone.md" in result.stderr
 
 
+#: What an operator reads first: the README, deploy/README.md and the reference.
+DOCUMENTS = [ROOT / "README.md", ROOT / "deploy" / "README.md", *sorted(ROOT.glob("docs/*.md"))]
+ANCHORED = re.compile(r"\]\(([^)#\s]*)#([^)\s]+)\)")
+#: A section named in prose: (BENCHMARKS.md, "On a GPU"), README, "Deploy on Kubernetes".
+SECTION = re.compile(r"\b([\w./-]*(?:README|\.md)),? \"([^\"]+)\"")
+#: A path in backquotes: `deploy/k8s/base`, `../Dockerfile`, `guard/loop.py`.
+PATH = re.compile(r"`((?:\.\.?/)?[\w.-]+(?:/[\w.*-]+)*/?)`")
+#: Backquoted paths that are not this repository's: vLLM's image and source, and
+#: what ``make docs`` builds.
+NOT_OURS = ("vllm/", "site/")
+
+
+def headings(document: Path) -> list[str]:
+    """The document's headings (outside code blocks), as written."""
+    found, fenced = [], False
+    for line in document.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            found.append(line.lstrip("#").strip())
+    return found
+
+
+def slug(heading: str) -> str:
+    """The anchor GitHub (and MkDocs' toc) gives a heading."""
+    text = re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", heading).lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
 def test_relative_links_in_the_readme_and_docs_reach_files() -> None:
-    documents = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     broken = [
         f"{doc.relative_to(ROOT)}: {target}"
-        for doc in documents
+        for doc in DOCUMENTS
         for target in LINK.findall(doc.read_text())
         if "://" not in target and not (doc.parent / target).exists()
     ]
     assert broken == []
+
+
+def test_anchors_and_named_sections_are_headings_of_their_documents() -> None:
+    """``README.md#anchor`` links reach a heading, and a section named in prose
+    (``README, "The fixed backend"``) is the start of one: text moved between the
+    README and docs/ left such pointers behind."""
+    broken = []
+    for doc in DOCUMENTS:
+        text = doc.read_text()
+        for target, anchor in ANCHORED.findall(text):
+            linked = (doc.parent / target) if target else doc
+            if "://" in target or not linked.exists():
+                continue  # a page elsewhere, or a missing file (the test above)
+            if anchor not in [slug(h) for h in headings(linked)]:
+                broken.append(f"{doc.relative_to(ROOT)}: {target}#{anchor}")
+        for name, section in SECTION.findall(text):
+            named = name if name.endswith(".md") else f"{name}.md"
+            candidates = [doc.parent / named, ROOT / named]
+            found = next((c for c in candidates if c.exists()), None)
+            titles = headings(found) if found else []
+            if not any(t.lower().startswith(section.lower()) for t in titles):
+                broken.append(f'{doc.relative_to(ROOT)}: {name}, "{section}"')
+    assert broken == []
+
+
+def test_paths_named_in_the_readme_and_docs_exist() -> None:
+    """A path in backquotes names a file or folder of this repository: relative to
+    the document, the repository, or the package (``guard/loop.py``)."""
+    bases = [ROOT, ROOT / "gateway", ROOT / "deploy" / "vllm-fixed"]
+    missing = [
+        f"{doc.relative_to(ROOT)}: {path}"
+        for doc in DOCUMENTS
+        for path in PATH.findall(doc.read_text())
+        if "/" in path.strip("/")
+        and not path.startswith(NOT_OURS)
+        and not any((base / path).exists() for base in [doc.parent, *bases])
+    ]
+    assert missing == []
 
 
 def test_the_readme_fits_on_two_screens() -> None:
