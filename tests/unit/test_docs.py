@@ -4,6 +4,7 @@ relative link in the README and the docs reaches a file of this repository."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -180,3 +181,25 @@ def test_the_metrics_table_is_what_the_gateway_exports() -> None:
         ),
     }
     assert {k: v for k, v in problems.items() if v} == {}
+
+
+def test_the_docs_and_the_dashboard_call_the_real_release_policy_the_default() -> None:
+    """The default release policy changed (adaptive, then auto): no page calls another
+    policy the default, and the time-to-first-token panel and the performance page
+    name the one the gateway runs."""
+    from gateway.config import ReleasePolicy, StreamSettings
+
+    default = StreamSettings().release.value
+    others = "|".join(p.value for p in ReleasePolicy if p.value != default)
+    stale = re.compile(
+        rf"\b(?:{others})`?\s+default\b|\bdefault(?:s to| is|:)?\s+`?(?:release: )?(?:{others})\b"
+    )
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "vllm-guard-overview.json").read_text())
+    descriptions = {p["title"]: p.get("description", "") for p in dashboard["panels"]}
+    texts = {str(doc.relative_to(ROOT)): doc.read_text() for doc in DOCUMENTS}
+    texts.update({f"panel {title!r}": text for title, text in descriptions.items()})
+    wrong = [f"{where}: {m[0]}" for where, text in texts.items() for m in stale.finditer(text)]
+    assert wrong == []
+    (ttft,) = [text for title, text in descriptions.items() if "first token" in title.lower()]
+    assert f"release: {default}" in ttft
+    assert f"release: {default}" in texts["docs/performance.md"]
