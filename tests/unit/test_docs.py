@@ -203,3 +203,18 @@ def test_the_docs_and_the_dashboard_call_the_real_release_policy_the_default() -
     (ttft,) = [text for title, text in descriptions.items() if "first token" in title.lower()]
     assert f"release: {default}" in ttft
     assert f"release: {default}" in texts["docs/performance.md"]
+
+
+def test_the_readme_says_make_demo_needs_a_checkout() -> None:
+    """``make demo`` starts vLLM with the test-only poisoning scheduler from the
+    checkout's tests/support, which the package does not install: where the README
+    introduces it, it says so."""
+    from gateway.tools.localvllm import REPO, SUPPORT_FILES
+
+    support = "tests/support"
+    assert all((REPO / support / name).exists() for name in SUPPORT_FILES)
+    readme = (ROOT / "README.md").read_text()
+    before = readme[: readme.index("make demo  ")].rsplit("```", 1)[0]
+    introduction = before.strip().rsplit("\n\n", 1)[-1]  # the paragraph above its block
+    assert "checkout" in introduction
+    assert f"`{support}`" in introduction
