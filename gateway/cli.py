@@ -373,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     probe.set_defaults(func=probe_command)
 
     demo = commands.add_parser(
-        "demo", help="tiny local vLLM with a poisoned prefix cache, direct vs. through the gateway"
+        "demo",
+        help="tiny local vLLM with a poisoned prefix cache, direct vs. through the gateway "
+        "(needs a source checkout's tests/support, or VLLM_GUARD_SUPPORT_DIR naming one)",
     )
     demo.add_argument("--poison-rate", type=float, default=0.1, help="per cached block")
     demo.add_argument("--episodes", type=int, default=8)

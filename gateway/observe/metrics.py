@@ -30,6 +30,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
     multiprocess,
+    values,
 )
 from prometheus_client.metrics import MetricWrapperBase
 
@@ -79,8 +80,17 @@ def _bisection_possible() -> bool:
     """``Histogram.observe`` below reads prometheus_client's private ``_sum``,
     ``_buckets``, ``_upper_bounds`` and ``_raise_if_not_observable`` (0.20-0.26
     have them). Checked once, on a histogram no registry sees; without them the
-    library's own ``observe`` runs."""
-    probe = prometheus_client.Histogram("vllm_guard_probe", "probe", registry=None)
+    library's own ``observe`` runs.
+
+    The probe keeps its values in memory even in multiprocess mode: a value of that
+    mode is a file in PROMETHEUS_MULTIPROC_DIR, and every scrape would merge the
+    probe into /metrics beside the gateway's own histograms."""
+    in_files = values.ValueClass
+    values.ValueClass = values.MutexValue
+    try:
+        probe = prometheus_client.Histogram("vllm_guard_probe", "probe", registry=None)
+    finally:
+        values.ValueClass = in_files
     names = ("_sum", "_buckets", "_upper_bounds", "_raise_if_not_observable")
     return all(hasattr(probe, name) for name in names)
 

@@ -20,6 +20,8 @@ BIN = Path(sys.executable).parent
 #: ``make helm`` installs it here (the test command runs that first).
 HELM = os.environ.get("HELM") or str(Path.home() / ".cache" / "vllm-guard" / "bin" / "helm")
 MONITORING = ["--set", "serviceMonitor.enabled=true", "--set", "prometheusRule.enabled=true"]
+#: The salt key every render needs (the chart draws none: see the salt key's tests).
+SALT_KEY = ["--set", f"saltKey.value={'k' * 64}"]
 
 
 def run(*command: str, expect_ok: bool = True) -> subprocess.CompletedProcess[str]:
@@ -30,7 +32,9 @@ def run(*command: str, expect_ok: bool = True) -> subprocess.CompletedProcess[st
 
 
 def template(*values: str) -> list[dict[str, Any]]:
-    out = run(HELM, "template", "prod", str(CHART), "--namespace", "llm", *values).stdout
+    """The chart rendered; with the test's salt key unless ``values`` name one."""
+    key = [] if any(v.startswith("saltKey.") for v in values) else SALT_KEY
+    out = run(HELM, "template", "prod", str(CHART), "--namespace", "llm", *key, *values).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 
 
@@ -45,7 +49,7 @@ def kustomized() -> list[dict[str, Any]]:
 
 
 def test_the_chart_lints_renders_and_validates(tmp_path: Path) -> None:
-    run(HELM, "lint", "--strict", str(CHART))
+    run(HELM, "lint", "--strict", *SALT_KEY, str(CHART))
     objects = template(*MONITORING)
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == sorted(["ConfigMap", "ConfigMap", "ConfigMap", "Secret", "Service",
@@ -109,10 +113,12 @@ def test_the_vllm_pod_monitor_labels_each_pod_as_a_backend() -> None:
         ("clientKeySha256={not-a-digest}", "clientKeySha256.0"),
         ("prometheusRule.runbookBase=RUNBOOK.md", "prometheusRule.runbookBase"),
         ("replicas=3", "Additional property replicas"),
+        ("saltKey.value=too-short", "saltKey.value"),
+        ("config.metrics.port=metrics", "config.metrics.port"),
     ],
 )
 def test_the_values_schema_refuses_bad_values(value: str, complaint: str) -> None:
-    done = run(HELM, "template", "prod", str(CHART), "--set", value, expect_ok=False)
+    done = run(HELM, "template", "prod", str(CHART), *SALT_KEY, "--set", value, expect_ok=False)
     assert done.returncode != 0
     assert complaint in done.stderr
 
@@ -188,3 +194,76 @@ def test_the_release_workflow_passes_actionlint(tmp_path: Path) -> None:
     release = yaml.safe_load(workflows[0].read_text())
     assert release[True]["push"]["tags"] == ["v*.*.*"]  # YAML 1.1 reads `on` as True
     assert set(release["jobs"]) == {"wheel", "images", "chart"}
+
+
+def salt_key_of(objects: list[dict[str, Any]]) -> tuple[str, str | None]:
+    """The Secret the pod reads its salt key from, and the key the chart rendered in it."""
+    env = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]
+    name = "VLLM_GUARD_GUARD__SALT_REUSE__KEY"
+    (ref,) = [e["valueFrom"]["secretKeyRef"] for e in env if e["name"] == name]
+    assert not ref.get("optional"), "a pod without the Secret would draw a key of its own"
+    secrets = [o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == ref["name"]]
+    return ref["name"], secrets[0]["data"][ref["key"]] if secrets else None
+
+
+@pytest.mark.parametrize(
+    "values",
+    [(), ("--set", f"saltKey.value={'k' * 64}"), ("--set", "saltKey.existingSecret=my-salt")],
+    ids=["no-key-given", "value", "existing-secret"],
+)
+def test_every_render_gives_every_pod_the_same_salt_key(values: tuple[str, ...]) -> None:
+    """``helm template`` (what GitOps tools run) cannot look up a key kept in the
+    cluster: a chart that generated one drew a new key on every render, and each sync
+    moved every conversation's retries to new cache namespaces. Two renders of the same
+    values give the same key, or refuse to render and say which value to set."""
+    command = (HELM, "template", "prod", str(CHART), "--namespace", "llm", *values)
+    first, second = run(*command, expect_ok=False), run(*command, expect_ok=False)
+    if first.returncode != 0:
+        assert not values
+        assert "saltKey.existingSecret" in first.stderr
+        assert "saltKey.value" in first.stderr
+        assert second.returncode != 0
+        return
+    renders = [[d for d in yaml.safe_load_all(r.stdout) if d] for r in (first, second)]
+    assert salt_key_of(renders[0]) == salt_key_of(renders[1])
+    name, key = salt_key_of(renders[0])
+    if "saltKey.existingSecret=my-salt" in values:
+        assert (name, key) == ("my-salt", None)  # yours, not the chart's
+    else:
+        assert key is not None
+
+
+def test_the_kustomize_base_gives_every_pod_the_same_salt_key() -> None:
+    """The base reads the key from one Secret for every pod, and a pod without it does
+    not start (it would otherwise draw a key of its own)."""
+    name, _ = salt_key_of(kustomized())
+    assert name == "vllm-guard-salt-key"
+
+
+def test_a_separate_metrics_port_is_exposed_and_scraped() -> None:
+    """``config.metrics.port`` moves /metrics off the main port (docs/security.md): the
+    gateway is told so and listens on the pod's address, the container and the Service
+    expose the port, and the ServiceMonitor scrapes it there, not on the main port
+    (where /metrics now answers 404)."""
+    objects = template(*MONITORING, "--set", "config.metrics.port=9464")
+    config = yaml.safe_load(one(objects, "ConfigMap", "prod-vllm-guard")["data"]["vllm-guard.yaml"])
+    assert config["metrics"]["port"] == 9464
+    assert config["metrics"]["host"] == "0.0.0.0"  # 127.0.0.1 would refuse the scrape
+    (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert {"name": "metrics", "containerPort": 9464, "protocol": "TCP"} in container["ports"]
+    service_ports = one(objects, "Service")["spec"]["ports"]
+    assert {"name": "metrics", "port": 9464, "targetPort": "metrics", "protocol": "TCP"} in (
+        service_ports
+    )
+    (endpoint,) = one(objects, "ServiceMonitor")["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    # Without it, /metrics is on the main port, and so is the scrape.
+    objects = template(*MONITORING)
+    (endpoint,) = one(objects, "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["port"] == "http"
+    (container,) = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert [p["name"] for p in container["ports"]] == ["http"]
+    # A host of the operator's own is kept.
+    objects = template("--set", "config.metrics.port=9464", "--set", "config.metrics.host=10.0.0.1")
+    config = yaml.safe_load(one(objects, "ConfigMap", "prod-vllm-guard")["data"]["vllm-guard.yaml"])
+    assert config["metrics"]["host"] == "10.0.0.1"

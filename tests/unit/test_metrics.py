@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import prometheus_client
@@ -13,6 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from gateway.observe.metrics import DURATION_BUCKETS, Counter, Histogram, LiveGauge, Metrics
 
 BOUNDS = [float(b) for b in DURATION_BUCKETS]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_remembered_children_are_the_exported_ones() -> None:
@@ -240,3 +246,31 @@ def test_state_shared_configured_says_whether_redis_is_configured() -> None:
     with_redis = asyncio.run(configured({"redis_url": "redis://127.0.0.1:1/0"}))
     assert "vllm_guard_state_shared_configured 1.0" in with_redis
     assert "vllm_guard_state_shared 0.0" in with_redis  # not connected (yet)
+
+
+def test_multiprocess_mode_exports_only_the_gateways_metrics(tmp_path: Path) -> None:
+    """With ``--workers N`` every histogram any process creates writes a file into
+    PROMETHEUS_MULTIPROC_DIR, and the merged /metrics shows whatever those files hold:
+    a histogram made for a check at import (not registered anywhere) leaked into it.
+    prometheus_client picks its value class at import, so this runs in a fresh
+    interpreter set up as the CLI sets up a worker."""
+    script = """
+import json
+from prometheus_client import CollectorRegistry, multiprocess
+from gateway.observe.metrics import Metrics
+metrics = Metrics(CollectorRegistry(), models=["m"], backends=["b"])
+metrics.ttft.labels("m", "b").observe(0.1)
+merged = CollectorRegistry()
+multiprocess.MultiProcessCollector(merged)
+defined = sorted(f.name for f in metrics.registry.collect())
+exported = sorted(f.name for f in merged.collect())
+print(json.dumps([defined, exported]))
+"""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    defined, exported = json.loads(done.stdout)
+    assert "vllm_guard_time_to_first_token_seconds" in exported  # the files were read
+    assert sorted(set(exported) - set(defined)) == []

@@ -26,8 +26,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $server := get $config "server" | default dict -}}
 {{- $_ := set $server "shutdown_grace_s" .Values.shutdownGraceSeconds -}}
 {{- $_ := set $config "server" $server -}}
+{{- $metrics := get $config "metrics" | default dict -}}
+{{- if and $metrics.port (not $metrics.host) -}}
+{{- /* metrics.host defaults to 127.0.0.1, which no scrape from outside the pod reaches. */ -}}
+{{- $_ := set $metrics "host" "0.0.0.0" -}}
+{{- $_ := set $config "metrics" $metrics -}}
+{{- end -}}
 {{- if .Values.clientKeySha256 -}}
 {{- $_ := set $config "auth" (dict "api_key_sha256" .Values.clientKeySha256) -}}
 {{- end -}}
 {{- toYaml $config -}}
+{{- end -}}
+
+{{- /* The container port /metrics is served on: `metrics` with config.metrics.port, else `http`. */ -}}
+{{- define "vllm-guard.metricsPortName" -}}
+{{- if (.Values.config.metrics | default dict).port -}}metrics{{- else -}}http{{- end -}}
 {{- end -}}
