@@ -240,6 +240,34 @@ def test_the_kustomize_base_gives_every_pod_the_same_salt_key() -> None:
     assert name == "vllm-guard-salt-key"
 
 
+#: Labels the Prometheus Operator gives every target of a ServiceMonitor.
+OPERATOR_TARGET_LABELS = {"namespace", "service", "pod", "container", "endpoint", "job", "instance"}
+
+
+def test_the_gateways_own_labels_survive_the_operators_target_labels() -> None:
+    """The gateway exports an ``endpoint`` label (the API), and the Operator sets a
+    target label ``endpoint`` (the scraped port): without ``honorLabels`` the
+    gateway's is renamed ``exported_endpoint`` and every rule and panel that groups
+    by it reads nothing. Both ServiceMonitors keep the gateway's labels."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics import MetricWrapperBase
+
+    from gateway.observe.metrics import Metrics
+
+    metrics = Metrics(CollectorRegistry(), models=["m"], backends=["b"])
+    exported = {  # every label name the gateway's own series declare
+        label
+        for metric in vars(metrics).values()
+        if isinstance(metric, MetricWrapperBase)
+        for label in metric._labelnames
+    }
+    assert "endpoint" in exported & OPERATOR_TARGET_LABELS  # the collision is real
+    (endpoint,) = one(template(*MONITORING), "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint.get("honorLabels") is True
+    base = yaml.safe_load((ROOT / "deploy/k8s/base/servicemonitor.yaml").read_text())
+    assert all(e.get("honorLabels") is True for e in base["spec"]["endpoints"])
+
+
 def test_a_separate_metrics_port_is_exposed_and_scraped() -> None:
     """``config.metrics.port`` moves /metrics off the main port (docs/security.md): the
     gateway is told so and listens on the pod's address, the container and the Service
