@@ -70,6 +70,14 @@ class BackendSettings(_Strict):
     #: BENCHMARKS.md (vLLM computes and writes a logprob per token, and the gateway
     #: reads every event's JSON).
     ask_logprobs: bool = False
+    #: Whether this vLLM keeps Responses answers (started with
+    #: ``VLLM_ENABLE_RESPONSES_API_STORE=1``). A Responses stream whose client did
+    #: not send ``store: false`` is released at its first token and continued only
+    #: on a backend that keeps nothing: a kept answer would stay under the id the
+    #: client has, degenerate. Unset: asked once per pod (a one-token answer stored,
+    #: then looked up: ``gateway.upstream.responses_store``); until known, such
+    #: streams are held ``adaptive``ly.
+    keeps_responses: bool | None = None
 
     @field_validator("url")
     @classmethod

@@ -160,6 +160,12 @@ class ContinuationPlan(ABC):
         """The rewriter of the continuation's events into the stream the client has
         (None: the released opening is not this API's)."""
 
+    def holds_on(self, backend_keeps_answers: bool | None) -> bool:
+        """Whether the plan holds for an answer of a backend that keeps its answers
+        under their ids (``Backend.keeps_responses``: True, False, or None where not
+        known); checked at release."""
+        return True
+
 
 class ApiAdapter(ABC):
     """One generation API. Subclasses are stateless singletons (``gateway.apis.ADAPTERS``)."""

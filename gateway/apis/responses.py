@@ -343,16 +343,18 @@ class Responses(ApiAdapter):
         return ResponsesEventReader(inspector)
 
     def continuation_plan(self, body: Mapping[str, Any]) -> ContinuationPlan | None:
-        """Only an answer vLLM does not store (``store: false``): a stored answer is
-        kept under the id the client has, which would then name the degenerate
-        original, not the continued answer. No structured output, no forced tool."""
+        """Only an answer vLLM does not store: a stored answer is kept under the id
+        the client has, which would then name the degenerate original, not the
+        continued answer. ``store: false`` says so; otherwise the backend must keep
+        nothing (``holds_on``): vLLM ignores ``store`` unless started with
+        ``VLLM_ENABLE_RESPONSES_API_STORE=1``, so the Agents SDK's default ``store``
+        is continued on most deployments. No structured output, no forced tool."""
         given = body.get("input")
         text_options = body.get("text")
         answer_format = text_options.get("format") if isinstance(text_options, dict) else None
         tool_choice = body.get("tool_choice")
         if (
-            body.get("store") is False
-            and isinstance(given, (str, list))
+            isinstance(given, (str, list))
             and body.get("background") is not True
             and (answer_format is None or (isinstance(answer_format, dict)
                                            and answer_format.get("type") == "text"))
@@ -382,8 +384,15 @@ class ResponsesContinuation(ContinuationPlan):
                    "content": [part]}  # fmt: skip
         return {
             "input": [*given, partial],
+            # The continuation's own id is never given to the client: nothing to keep.
+            "store": False,
             **remaining_tokens(self.body, released_tokens, ("max_output_tokens",), None),
         }
 
     def splice(self, released: ReleasedPart) -> EventSplice | None:
         return ResponsesSplice.of(released)
+
+    def holds_on(self, backend_keeps_answers: bool | None) -> bool:
+        """A client's ``store: false`` holds; otherwise only on a backend known to
+        keep nothing (one that stores, or is not known, is held adaptively)."""
+        return self.body.get("store") is False or backend_keeps_answers is False

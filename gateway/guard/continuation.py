@@ -119,9 +119,13 @@ class Continuation:
         if self.prompt_ids is not None and not self.prompt_ids.done():
             self.prompt_ids.cancel()
 
-    async def holds(self) -> bool:
-        """The plan still holds at release: for a plan continued by token ids,
-        vLLM's count agreed with the rendered prompt."""
+    async def holds(self, backend: Backend) -> bool:
+        """The plan still holds at release: the answer is one the API can continue on
+        its backend (``ContinuationPlan.holds_on``: a Responses answer the backend
+        does not keep) and, for a plan continued by token ids, vLLM's count agreed
+        with the rendered prompt."""
+        if not self.plan.holds_on(backend.keeps_responses):
+            return False
         if self.prompt_ids is None:
             return self.plan.prompt_check is None
         return await asyncio.shield(self.prompt_ids) is not None

@@ -183,7 +183,7 @@ class HoldBack:
                 continue  # a choice's echo is still to come: nothing of its answer seen
             if decision is not None and tail is not None and not decision.degenerate:
                 assert continuation is not None
-                if not tail.continuable or not await continuation.holds():
+                if not tail.continuable or not await continuation.holds(attempt.backend):
                     # Not continuable after all: released as adaptive releases it.
                     state.held.extend(tail.release_all())
                     attempt.tail = tail = None

@@ -32,6 +32,7 @@ import orjson
 from gateway.apis import CHAT
 from gateway.config import DetectorSettings
 from gateway.detect import Detector, StreamInspector
+from gateway.tools.backend_support import logprobs_support, support_row
 from gateway.tools.plot import CORRUPTION_COLOR, HIT_RATE_COLOR, _png, rate_chart
 from gateway.upstream.scrape import PrefixCacheCounters, parse_nan_requests, parse_prefix_cache
 from gateway.wire.sse import DONE, SSEParser
@@ -97,6 +98,9 @@ class ProbeReport:
     #: (None: the server does not count them, VLLM_COMPUTE_NANS_IN_LOGITS off).
     #: Through a gateway, as of its last scrape of vLLM (every 15 s by default).
     nan_requests: float | None = None
+    #: Per API, whether the target answers the gateway's logprobs ask with a logprob
+    #: per token (``gateway.tools.backend_support``): may ``ask_logprobs`` be on.
+    logprobs_support: dict[str, bool | None] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -313,6 +317,8 @@ async def run_probe(
         if nan_before is not None:
             await asyncio.sleep(1.0)  # vLLM counts a request's NaNs as its stats arrive
         after = await _target_counters(session, config.target)
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        support = await logprobs_support(session, config.target, config.model, headers)
         nan_after = (
             (await _target_counters(session, counted_at)).nan_requests
             if counted_at
@@ -328,7 +334,7 @@ async def run_probe(
         nan_after - nan_before if nan_before is not None and nan_after is not None else None
     )
     report = ProbeReport(
-        config.target, len(outcomes), duration, outcomes, backend_hit_rate, nan_requests
+        config.target, len(outcomes), duration, outcomes, backend_hit_rate, nan_requests, support
     )
     report.summary = summarise(report)
     return report
@@ -369,6 +375,7 @@ def summarise(report: ProbeReport) -> dict[str, Any]:
         "attempts_mean": sum(attempts) / len(attempts) if attempts else None,
         "retried": sum(1 for a in attempts if a > 1),
         "requests_per_second": len(outcomes) / report.duration_s if report.duration_s else 0.0,
+        "logprobs_support": report.logprobs_support,
         "determinism_checked": len(checked),
         "determinism_mismatch_rate": (
             sum(1 for o in checked if o.mismatch) / len(checked) if checked else None
@@ -404,6 +411,7 @@ def format_table(report: ProbeReport) -> str:
          f"{fmt(s['ttft_p50_s'], 'ms')} / {fmt(s['ttft_p99_s'], 'ms')}"),
         ("attempts per request (retried)", f"{fmt(s['attempts_mean'])} ({s['retried']})"),
         ("requests per second", fmt(s["requests_per_second"])),
+        ("per-token logprobs asked", support_row(s["logprobs_support"])),
     ]  # fmt: skip
     if s["determinism_checked"]:
         rows.append(

@@ -113,11 +113,16 @@ class Backend:
     in_flight: int = 0
     #: Parsed URLs of the guarded paths on this backend (``_url``).
     parsed_urls: dict[str, URL] = field(default_factory=dict)
+    #: Whether this vLLM keeps Responses answers under their ids (its store is on):
+    #: the operator's ``keeps_responses``, else learned once by the scrape
+    #: (``gateway.upstream.responses_store``); None while not known.
+    keeps_responses: bool | None = None
     #: ``host:port`` of the URL: the metrics' ``backend_address`` label (``backend_address``).
     address: str = field(init=False)
 
     def __post_init__(self) -> None:
         self.address = backend_address(self.settings.url)
+        self.keeps_responses = self.settings.keeps_responses
 
     @property
     def name(self) -> str:

@@ -29,6 +29,7 @@ from gateway.config import BackendRole, UpstreamSettings
 from gateway.observe.metrics import Metrics
 from gateway.periodic import Periodic
 from gateway.upstream.pool import Backend, BackendPool
+from gateway.upstream.responses_store import keeps_responses
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ _FIX_INFO = re.compile(
     rb'^vllm_guard_fix_info\{[^}]*status="([a-z_]{1,32})"[^}]*\}\s+1', re.MULTILINE
 )
 FIX_STATUSES = ("active", "refused", "disabled", "absent")
+#: A pod that gives no answer to whether it keeps Responses answers (no Responses
+#: API, or errors while starting) is asked this often, then left unknown (held).
+MAX_STORE_ASKS = 3
 
 
 def parse_fix_status(text: bytes) -> str:
@@ -105,6 +109,11 @@ class BackendScraper:
         self.settings = settings
         self._last: dict[tuple[str, str], PrefixCacheCounters] = {}
         self._versions: dict[tuple[str, str], str] = {}
+        #: vLLM's key (``upstream.api_key``): its /v1 paths need it.
+        key = settings.api_key
+        self._auth = {"authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+        #: How often each pod was asked whether it keeps Responses answers.
+        self._store_asked: dict[tuple[str, str], int] = {}
         self._fix_status: dict[tuple[str, str], str] = {}
         self._periodic = Periodic(
             settings.metrics_scrape_interval_s, self.scrape_once, "backend scrape"
@@ -113,7 +122,9 @@ class BackendScraper:
     async def _get(self, backend: Backend, path: str) -> bytes | None:
         timeout = aiohttp.ClientTimeout(total=self.pool.probe_timeout_s)
         try:
-            async with backend.fresh_session.get(backend.url + path, timeout=timeout) as response:
+            async with backend.fresh_session.get(
+                backend.url + path, timeout=timeout, headers=self._auth
+            ) as response:
                 if response.status != 200:
                     return None
                 return await response.read()
@@ -158,12 +169,20 @@ class BackendScraper:
     async def _learn_identity(self, backend: Backend) -> None:
         version_body = await self._get(backend, "/version")
         models_body = await self._get(backend, "/v1/models")
+        models: list[str] = []
         if models_body is not None:
             with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
                 data = orjson.loads(models_body).get("data", [])
-                self.metrics.discover_models(
+                models = [
                     m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
-                )
+                ]
+                self.metrics.discover_models(models)
+        asked = self._store_asked.get(_key(backend), 0)
+        if backend.keeps_responses is None and models and asked < MAX_STORE_ASKS:
+            self._store_asked[_key(backend)] = asked + 1
+            backend.keeps_responses = await keeps_responses(
+                backend, models[0], self.pool.probe_timeout_s, self._auth
+            )
         if version_body is not None:
             with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
                 version = orjson.loads(version_body).get("version")

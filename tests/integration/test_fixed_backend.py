@@ -3,6 +3,7 @@ gateway routing between a poisoned stock backend and a fixed one."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import threading
 import time
@@ -13,8 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import ARTIFACTS, GatewayFactory, RunningVLLM, openai_client, scraped_metric
+from prometheus_client import CollectorRegistry
 from support.servers import VLLMServer, vllm_python
 from support.workload import is_corrupt, long_prompt
+
+from gateway.config import Settings
+from gateway.observe.metrics import Metrics
+from gateway.upstream.pool import BackendPool
+from gateway.upstream.scrape import BackendScraper
 
 pytestmark = pytest.mark.vllm
 
@@ -23,7 +30,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def fixed_vllm(tiny_model_dir: Path) -> Iterator[VLLMServer]:
-    server = VLLMServer(tiny_model_dir, ARTIFACTS / "vllm-fixed.log", fixed=True)
+    # vLLM's default for the Responses store (off), as most deployments run it: the
+    # tests' poisoned server has it on (previous_response_id, background).
+    server = VLLMServer(
+        tiny_model_dir, ARTIFACTS / "vllm-fixed.log", fixed=True,
+        extra_env={"VLLM_ENABLE_RESPONSES_API_STORE": "0"},
+    )  # fmt: skip
     server.start()
     try:
         server.wait_ready()
@@ -185,6 +197,44 @@ def test_a_fixed_role_on_a_stock_vllm_is_called_out(
         for w in warnings
     ), warnings
     assert not any("backend stock" in w for w in warnings)  # a primary may be stock
+
+
+def test_each_backend_is_asked_once_whether_it_keeps_responses_answers(
+    vllm: RunningVLLM, fixed_vllm: VLLMServer
+) -> None:
+    """issue 41 item 4: a Responses stream without ``store: false`` is continued
+    after release only on a vLLM that keeps nothing. The gateway asks each pod (a
+    one-token answer stored, then looked up): the server started with
+    ``VLLM_ENABLE_RESPONSES_API_STORE=1`` keeps it, vLLM's default keeps none. The
+    operator's ``keeps_responses`` is taken as said, and nothing is asked."""
+
+    async def ask() -> list[bool | None]:
+        backends = [{"name": "stock", "url": vllm.url}, {"name": "fixed", "url": fixed_vllm.url},
+                    {"name": "said", "url": fixed_vllm.url, "keeps_responses": True}]  # fmt: skip
+        settings = Settings.model_validate({"upstream": {"backends": backends}})
+        pool = BackendPool(settings.upstream)
+        metrics = Metrics(CollectorRegistry(), models=["tiny"], backends=pool.names)
+        scraper = BackendScraper(pool, metrics, settings.upstream)
+        try:
+            await scraper.scrape_once()
+            return [b.keeps_responses for b in pool.backends]
+        finally:
+            await pool.stop()
+
+    before = _responses_created(fixed_vllm.url)
+    assert asyncio.run(ask()) == [True, False, True]
+    assert _responses_created(fixed_vllm.url) == before + 1  # "said" was not asked
+
+
+def _responses_created(url: str) -> float:
+    """The Responses requests a vLLM served (its own counter of HTTP requests)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in httpx.get(url + "/metrics").text.splitlines()
+        if line.startswith("http_requests_total{")
+        and 'handler="/v1/responses"' in line
+        and 'method="POST"' in line
+    )
 
 
 def test_canary_weight_splits_first_attempts(

@@ -41,6 +41,8 @@ def test_probe_on_a_clean_server_finds_nothing_and_measures_noise(vllm: RunningV
     assert summary["determinism_checked"] == 9
     # The CPU build at temperature 0 is deterministic here: the noise floor is 0.
     assert summary["determinism_mismatch_rate"] == 0.0
+    # issue 40: the probe says whether the backend can take ask_logprobs, per API.
+    assert summary["logprobs_support"] == {"chat": True, "completions": True, "responses": True}
 
 
 def test_probe_reports_exactly_the_injected_corruption(vllm: RunningVLLM, tmp_path: Path) -> None:

@@ -474,6 +474,7 @@ def test_the_responses_splice_continues_the_clients_response() -> None:
 
 
 def test_a_responses_answer_is_continued_only_when_vllm_does_not_store_it() -> None:
+    """issue 41 item 4: by the client's store: false, or by the answer's own word."""
     body = {"input": "go", "store": False, "max_output_tokens": 30}
     fields = continued(RESPONSES, body, "Partial\n", 4)
     assert fields == {
@@ -482,11 +483,25 @@ def test_a_responses_answer_is_continued_only_when_vllm_does_not_store_it() -> N
             {"type": "message", "role": "assistant", "status": "in_progress",
              "content": [{"type": "output_text", "text": "Partial\n", "annotations": []}]},
         ],
+        "store": False,
         "max_output_tokens": 26,
     }  # fmt: skip
-    assert RESPONSES.continuation_plan(body) is not None
-    assert RESPONSES.continuation_plan({"input": "go"}) is None  # vLLM's default: stored
-    for refused in ({"store": True}, {"text": {"format": {"type": "json_schema"}}},
+    plan = RESPONSES.continuation_plan(body)
+    assert plan is not None
+    assert all(plan.holds_on(keeps) for keeps in (True, False, None))  # the client's word
+    # The Agents SDK's default store: continued only on a backend known to keep
+    # nothing (VLLM_ENABLE_RESPONSES_API_STORE unset); the continuation itself is
+    # never stored (its id is never given out).
+    for default_store in ({"input": "go"}, {"input": "go", "store": True}):
+        plan = RESPONSES.continuation_plan(default_store)
+        assert plan is not None
+        assert plan.holds_on(False)
+        assert not plan.holds_on(True)
+        assert not plan.holds_on(None)
+        fields = plan.request_fields("Partial", 1, None)
+        assert fields is not None
+        assert fields["store"] is False
+    for refused in ({"text": {"format": {"type": "json_schema"}}},
                     {"tool_choice": "required"}, {"background": True}):  # fmt: skip
         assert RESPONSES.continuation_plan({**body, **refused}) is None
 
@@ -938,6 +953,54 @@ def test_an_error_after_a_responses_continuation_keeps_the_clients_numbering() -
             numbers = [e["sequence_number"] for e in events]
             assert events[-1]["type"] == "error"
             assert numbers == list(range(len(events)))
+
+    asyncio.run(scenario())
+
+
+def responses_completed(pieces: list[str], *, response_id: str) -> list[bytes]:
+    events = responses_stream(pieces, response_id=response_id)
+    completed = {"id": response_id, "created_at": 1, "status": "completed", "output": [],
+                 "usage": {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7}}  # fmt: skip
+    return [*events, responses_event("response.completed", sequence_number=len(events),
+                                     response=completed)]  # fmt: skip
+
+
+@pytest.mark.parametrize("keeps", [False, True, None])
+def test_a_default_store_responses_stream_is_continued_where_vllm_keeps_nothing(
+    keeps: bool | None,
+) -> None:
+    """issue 41 item 4: the Agents SDK's default ``store`` (absent here). On a vLLM
+    that keeps nothing (started without ``VLLM_ENABLE_RESPONSES_API_STORE``: it sets
+    ``request.store = False``) the stream is released at its first token and its
+    bang run continued. On one that keeps answers, or is not known to keep none:
+    held adaptively and retried whole, never continued (the id the client has
+    would name the degenerate original)."""
+
+    async def scenario() -> None:
+        from multidict import CIMultiDict
+
+        from gateway.guard.request import parse_guarded
+
+        first = responses_stream(["Open", " the", " door", *BANG_RUN], response_id="a")
+        script = Script([
+            paced(first), paced(responses_completed([" now", " please"], response_id="b")),
+        ])  # fmt: skip
+        request = parse_guarded("responses", orjson.dumps({"model": "m", "stream": True,
+                                                           "input": "go"}))  # fmt: skip
+        async with guard_with(script, backend={"keeps_responses": keeps}) as guard:
+            headers = CIMultiDict({"x-request-id": "req-1"})
+            sent = await relayed(await guard.handle(request, headers, started=0.0))
+        assert b"!!!!" not in sent
+        again = script.received[1]
+        if keeps is not False:
+            assert again["input"] == "go"  # a whole retry
+        else:
+            assert again["input"][-1]["status"] == "in_progress"  # continued from the text
+            assert again["input"][-1]["content"][0]["text"] == "Open the door"
+            assert again["store"] is False
+            assert b'"delta":" now"' in sent
+            assert b'"id":"a"' in sent
+            assert b'"id":"b"' not in sent
 
     asyncio.run(scenario())
 
