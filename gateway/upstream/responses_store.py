@@ -14,16 +14,13 @@ is on, one stored answer of a few hundred bytes (vLLM never frees its store).
 
 from __future__ import annotations
 
+import secrets
 import urllib.parse
 
 import aiohttp
 import orjson
 
 from gateway.upstream.pool import Backend
-
-#: Salted apart from every conversation: the probe neither reads nor leaves a
-#: prefix-cache block any client shares.
-_PROBE_SALT = "vllm-guard-responses-store-probe"
 
 
 async def keeps_responses(
@@ -32,8 +29,10 @@ async def keeps_responses(
     """True if ``backend`` keeps a stored Responses answer, False if it keeps none,
     None if that could not be told. ``auth``: vLLM's key, where it has one."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
+    # A salt of its own: the probe neither reads a prefix-cache block (a poisoned
+    # one would count in vLLM's NaN figure) nor leaves one anyone else reads.
     body = {"model": model, "input": ".", "max_output_tokens": 1, "store": True,
-            "cache_salt": _PROBE_SALT}  # fmt: skip
+            "cache_salt": secrets.token_hex(8)}  # fmt: skip
     try:
         async with backend.fresh_session.post(
             backend.url + "/v1/responses", data=orjson.dumps(body), timeout=timeout,
