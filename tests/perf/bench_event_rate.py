@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "perf"))
 sys.path.insert(0, str(ROOT))
 
-from bench_gateway import GatewayProcess, ServiceProcess  # noqa: E402
+from bench_gateway import ARTIFACTS, GatewayProcess, ServiceProcess  # noqa: E402
 from bench_proxy import aiohttp_peer  # noqa: E402
 
 from gateway.tools.localvllm import free_port, wait_http  # noqa: E402
@@ -187,6 +187,7 @@ def main() -> None:
     parser.add_argument("--load-cpus", default="0", help="taskset list for the stub and loader")
     args = parser.parse_args()
     CPUS.update(proxy=args.proxy_cpus, load=args.load_cpus)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)  # the proxies' logs
     port = free_port()
     step_s = str(args.step_ms / 1000)
     stub_command = [sys.executable, "-c", STUB, str(port), step_s]
