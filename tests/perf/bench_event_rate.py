@@ -176,6 +176,17 @@ def pinned(proxy: ServiceProcess) -> ServiceProcess:
     return proxy
 
 
+def profiled(proxy: ServiceProcess | None, out: str) -> subprocess.Popen[bytes] | None:
+    """py-spy's collapsed stacks of ``proxy`` for the next few seconds (``--profile``:
+    ``tests/perf/gpu/report.py profile`` splits them into reading, parsing,
+    inspection, writing and the event loop)."""
+    if not out or proxy is None or proxy.process is None:
+        return None
+    command = ["py-spy", "record", "--nonblocking", "-r", "250", "-d", "4", "-f", "raw",
+               "-o", out, "-p", str(proxy.process.pid)]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--concurrency", default="64,128")
@@ -185,6 +196,7 @@ def main() -> None:
     parser.add_argument("--peers", default="", help="aiohttp, workers2, tree=<checkout>")
     parser.add_argument("--proxy-cpus", default="1", help="taskset list for each proxy")
     parser.add_argument("--load-cpus", default="0", help="taskset list for the stub and loader")
+    parser.add_argument("--profile", default="", help="py-spy output of the guard-off proxy")
     args = parser.parse_args()
     CPUS.update(proxy=args.proxy_cpus, load=args.load_cpus)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)  # the proxies' logs
@@ -215,12 +227,16 @@ def main() -> None:
     try:
         for proxy in proxies.values():
             started.append(proxy.__enter__())
-        for _ in range(args.rounds):  # interleaved
+        for round_number in range(args.rounds):  # interleaved
             for c in levels:
                 routes: dict[str, tuple[str, ServiceProcess | None]] = {"direct": (stub_url, None)}
                 routes.update({name: (p.url, p) for name, p in proxies.items()})
                 for name, (url, proxy) in routes.items():
+                    last = round_number == args.rounds - 1 and c == levels[-1]
+                    spy = profiled(proxy, args.profile) if last and name == "guard off" else None
                     sample = run_once(url, proxy, c, args.tokens)
+                    if spy is not None:
+                        spy.wait(timeout=60)
                     results.setdefault((c, name), []).append(sample)
                     print(c, name, {k: round(v, 2) for k, v in sample.items()}, flush=True)
     finally:

@@ -73,7 +73,7 @@ start_vllm() { # tag, env assignments..., then -- and extra flags
     --port 8000 --enable-prefix-caching \
     --speculative-config '{"method":"mtp","num_speculative_tokens":2,"attention_backend":"TRITON_ATTN"}' \
     "$@" > "$OUT/vllm_$tag.log" 2>&1 & SPID=$!
-  for _ in $(seq 1 150); do
+  for _ in $(seq 1 $(( ${VLLM_START_S:-300} / 2 ))); do
     curl -sf -o /dev/null http://127.0.0.1:8000/health && { say "vLLM $tag up"; return 0; }
     kill -0 $SPID 2>/dev/null || break; sleep 2
   done
@@ -97,8 +97,13 @@ if [ "$MODE" = plugin ]; then
 fi
 
 if [ "$MODE" = stub ]; then
+  if [ "${PROFILE:-0}" = 1 ] && ! command -v py-spy >/dev/null; then
+    python3 -c "import zipfile,glob; zipfile.ZipFile(glob.glob('$BUNDLE/tools/py_spy-*.whl')[0]).extractall('/tmp/pyspy')"
+    install -m 755 /tmp/pyspy/py_spy-*.data/scripts/py-spy /usr/local/bin/py-spy
+  fi
   PYTHONPATH=$GATEWAY_PATH python3 "$ROOT/tests/perf/bench_event_rate.py" --rounds ${ROUNDS:-1} \
-    --concurrency ${CONCS:-64,128} --proxy-cpus 2-3 --load-cpus 4-15 --peers ${PEERS:-aiohttp,workers2}
+    --concurrency ${CONCS:-64,128} --proxy-cpus 2-3 --load-cpus 4-15 --peers ${PEERS:-aiohttp,workers2} \
+    $([ "${PROFILE:-0}" = 1 ] && echo --profile "$OUT/profile_stub_off.txt")
   exit 0
 fi
 
