@@ -1,6 +1,6 @@
 """What a target supports of what the gateway can ask of it: the probe's last rows.
 
-A backend's ``ask_logprobs`` (docs/guard.md, "Exact detection") asks vLLM for every
+A backend's ``ask_logprobs`` (``nan_logits`` in docs/guard.md) asks vLLM for every
 answer's sampled-token logprob, so that a NaN logit is seen on every request. Each
 API answers that ask its own way, and a server may refuse it (vLLM refuses
 Responses logprobs for gpt-oss models; another server may ignore the field). The

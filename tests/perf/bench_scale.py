@@ -96,6 +96,16 @@ def run(
     return line, computed
 
 
+def redis_keys(url: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        return int(client.dbsize())
+    finally:
+        client.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--vllm", default="")
@@ -103,6 +113,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rate", type=float, default=0.3)
     parser.add_argument("--replicas", action="store_true")
+    parser.add_argument(
+        "--sharing", action="store_true",
+        help="only one process against two workers sharing through Redis (issue 41)",
+    )  # fmt: skip
     args = parser.parse_args()
     shape = {"episodes_count": args.episodes, "steps": args.steps, "concurrency": 8,
              "max_tokens": 20}  # fmt: skip
@@ -153,10 +167,27 @@ def main() -> None:
                 "guard": {"salt_reuse": {"key": KEY}}, "server": {"workers": 2},
                 "state": shared},
         }  # fmt: skip
+        if args.sharing:  # the product's own lookup deadline (5 ms) beside the 50 ms above
+            configs = {
+                "gateway, 1 worker (default)": configs["gateway, 1 worker (default)"],
+                "gateway, --workers 2, shared key, Redis": configs[
+                    "gateway, --workers 2, shared key, Redis"],
+                "gateway, --workers 2, shared key, Redis, default 5 ms deadline": {
+                    "guard": {"salt_reuse": {"key": KEY}}, "server": {"workers": 2},
+                    "state": {"redis_url": redis.url}},
+            }  # fmt: skip
         for name, config in configs.items():
+            keys_before = redis_keys(redis.url)
             with GatewayProcess(vllm, f"scale-{len(lines)}", **config) as gateway:
-                lines.append(run(name, gateway.url, [vllm], shape, next(seeds), poisoned,
-                                 baseline)[0])  # fmt: skip
+                line = run(name, gateway.url, [vllm], shape, next(seeds), poisoned, baseline)[0]
+                if "state" in config:  # what reached Redis, and what stayed in a process
+                    unshared = gateway.metric_sum("vllm_guard_state_unshared_writes_total")
+                    written = redis_keys(redis.url) - keys_before
+                    line += f" Redis: {written} keys written, {unshared:.0f} writes unshared |"
+                lines.append(line)
+        if args.sharing:
+            print("\n" + "\n".join(lines))
+            return
         with (
             GatewayProcess(vllm, "alt-a", guard={"salt_reuse": {"key": KEY}}) as a,
             GatewayProcess(vllm, "alt-b", guard={"salt_reuse": {"key": KEY}}) as b,
