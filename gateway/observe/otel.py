@@ -131,8 +131,9 @@ class OtelRequestSpans:
         _end(self._span, attributes, error)
 
     def inject(self, headers: MutableMapping[str, str]) -> None:
-        for name in TRACE_HEADERS:  # the client's, replaced (tracestate may not be written)
-            headers.pop(name, None)
+        for name in TRACE_HEADERS:  # the client's, every copy (tracestate may not be written)
+            if name in headers:
+                del headers[name]
         span = self._attempt or self._span
         _PROPAGATOR.inject(headers, trace_api.set_span_in_context(span))
 
