@@ -65,6 +65,8 @@ class OtelTracing:
         if exporter is None:
             exporter = exporter_from_environment()
         processor: SpanProcessor | None = None
+        #: The filter that keeps retried traces (``keep_retried``), when on.
+        self.keep_retried: KeepRetried | None = None
         if exporter is not None:
             processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
         if processor is not None and settings.keep_retried:
@@ -74,7 +76,7 @@ class OtelTracing:
             # unsampled ones are exported at their request's end only if it was.
             # The environment's sampler, which the provider read, stays the judge.
             self.provider.sampler = AlwaysRecordSampler(self.provider.sampler)
-            processor = KeepRetried(processor)
+            processor = self.keep_retried = KeepRetried(processor)
         if processor is not None:
             self.provider.add_span_processor(processor)
         self.tracer = self.provider.get_tracer("vllm-guard", __version__)
