@@ -14,6 +14,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     MALLOC_TRIM_THRESHOLD_=268435456
 
 WORKDIR /app
+# The lock pins the dependencies and the `tracing` extra's (OpenTelemetry, imported
+# only where tracing.enabled): the image can trace without a rebuild.
 COPY deploy/requirements.lock /app/requirements.lock
 RUN pip install --no-cache-dir -r /app/requirements.lock
 

@@ -461,6 +461,22 @@ class StateSettings(_Strict):
         return url
 
 
+class TracingSettings(_Strict):
+    """OpenTelemetry traces (docs/metrics.md, "Traces"): a span per request and one per
+    attempt, exported over OTLP. Where to and how is the SDK's standard environment:
+    ``OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT``/``_PROTOCOL``/``_HEADERS``, sampling by
+    ``OTEL_TRACES_SAMPLER``/``_ARG``, the service by ``OTEL_SERVICE_NAME``."""
+
+    #: Off: the OpenTelemetry packages are not even imported (the ``tracing`` extra
+    #: need not be installed), and the request path costs one ``None`` check.
+    enabled: bool = False
+    #: Export the whole trace of a request that was retried, failed over or continued
+    #: after release, even where the sampler (``OTEL_TRACES_SAMPLER``) left it out:
+    #: every span is then recorded, and the unsampled ones dropped at their request's
+    #: end unless it needed a second attempt (the CPU of recording them is paid).
+    keep_retried: bool = True
+
+
 class _EnvironmentSource(EnvSettingsSource):
     """The environment, where a list may also be given comma-separated
     (``VLLM_GUARD_AUTH__API_KEY_SHA256=<hash>,<hash>``) as well as in JSON."""
@@ -498,6 +514,7 @@ class Settings(BaseSettings):
     metrics: MetricsSettings = MetricsSettings()
     evidence: EvidenceSettings = EvidenceSettings()
     state: StateSettings = StateSettings()
+    tracing: TracingSettings = TracingSettings()
     #: Model name -> overrides. Also the bounded set of model label values.
     models: dict[str, ModelSettings] = Field(default_factory=dict)
 

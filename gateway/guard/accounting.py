@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 from gateway.detect import DegenerateKind
+from gateway.guard import traced
 from gateway.guard.attempt import Attempt
 from gateway.guard.request import GuardedRequest
 from gateway.guard.trace import Trace
@@ -91,6 +92,9 @@ class Accounting:
         if trace.finished:
             return
         trace.finished = True
+        if trace.otel is not None:
+            error = verdict if verdict == "error" else None
+            trace.otel.end(traced.outcome(trace, backend, verdict), error=error)
         request = trace.request
         stream = "true" if request.stream else "false"
         elapsed = time.perf_counter() - trace.started

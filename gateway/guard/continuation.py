@@ -55,10 +55,16 @@ class ContinuationHost(Protocol):
         ...
 
     async def open_attempt(
-        self, backend: Backend, salt: str, fields: dict[str, Any], inspector: StreamInspector
+        self,
+        backend: Backend,
+        salt: str,
+        fields: dict[str, Any],
+        inspector: StreamInspector,
+        released_tokens: int,
     ) -> Attempt:
         """An attempt whose body is the request's changed by ``fields`` and whose text
-        ``inspector`` reads (it has the released text already), never held back."""
+        ``inspector`` reads (it has the released text already), never held back;
+        ``released_tokens``: how many the client has (its span says)."""
         ...
 
 
@@ -168,7 +174,7 @@ class Continuation:
             raise UpstreamProtocolError("the released stream's opening event is not JSON")
         inspector = StreamInspector(stream.inspector.detector, watch_nan=stream.inspector.watch_nan)
         inspector.feed_output(0, content=released)
-        continued = await host.open_attempt(backend, salt, fields, inspector)
+        continued = await host.open_attempt(backend, salt, fields, inspector, count)
         if continued.status != 200:
             raise UpstreamProtocolError(
                 f"backend {backend.name} answered the continuation of a released stream "

@@ -43,6 +43,7 @@ from gateway.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+from gateway.guard import traced
 from gateway.guard.accounting import Accounting
 from gateway.guard.answer import (
     Answer,
@@ -62,6 +63,7 @@ from gateway.guard.tail import TailHold
 from gateway.guard.trace import Trace
 from gateway.observe.evidence import EvidenceStore
 from gateway.observe.metrics import Metrics
+from gateway.observe.tracing import Attributes, Tracing
 from gateway.upstream.pool import (
     Backend,
     BackendPool,
@@ -89,8 +91,11 @@ class Guard:
         *,
         evidence: EvidenceStore | None = None,
         version_of: Callable[[str], str | None] = lambda backend: None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
+        #: OpenTelemetry spans per request and attempt; None while tracing is off.
+        self.tracing = tracing
         self.pool = pool
         self.metrics = metrics
         self.accounting = Accounting(metrics, evidence, version_of)
@@ -124,11 +129,17 @@ class Guard:
         home = await self.answer_homes.find(request.api, continued, headers) if continued else None
         trace, fingerprint = self._new_trace(request, started, client)
         trace.request_id = headers.get("x-request-id", "")
+        if self.tracing is not None:
+            trace.otel = traced.request_spans(self.tracing, request, headers)
+            # What vLLM is asked beside the attempts (tokenize, the prompt check)
+            # nests under the request's span, each attempt under its own.
+            trace.otel.inject(headers)
         trace.upstream_headers = headers
         trace.continuation = self.holding.continuation_for(request, headers)
         self.budget.record_request()
         salt = await self.salting.first_salt(trace)
         backend = home or self._first_backend(fingerprint)
+        cause = "first"  # why the next attempt is made (its span says)
         # From here the request holds an in-flight count and, while a retry is under
         # way, a budget ticket: every exit below gives both back (``_abandon``), and a
         # streamed answer hands them to its relay (``StreamedAnswer.on_close``).
@@ -137,12 +148,14 @@ class Guard:
                 trace.attempts += 1
                 trace.route(backend)  # in flight on the pod that serves this attempt
                 try:
-                    attempt = await self._attempt(request, backend, salt, headers, trace)
+                    attempt = await self._attempt(
+                        request, backend, salt, headers, trace, cause=cause
+                    )
                 except (BackendUnreachable, UpstreamTimeout, UpstreamProtocolError) as exc:
                     failover = await self._after_transport_failure(exc, backend, trace, headers)
                     if failover is None:
                         raise
-                    backend = failover
+                    backend, cause = failover, "failover"
                     continue
                 self._settle(
                     trace, recovered=attempt.status == 200 and not attempt.verdict.degenerate
@@ -154,6 +167,9 @@ class Guard:
                 await attempt.discard()
                 if attempt.stream is not None:
                     self.accounting.count_attempt(attempt, trace)
+                if trace.otel is not None:
+                    trace.otel.end_attempt()
+                cause = "retry"
                 self.metrics.retries.labels(trace.model, backend.name, attempt.verdict.kind).inc()
                 salt = self.salting.retry_salt(trace, failed=attempt.salt)
                 backend = self.pool.choose_retry(
@@ -176,6 +192,8 @@ class Guard:
             trace.continuation.end_prompt_check()
         if recovered is None:
             trace.unroute()
+            if trace.otel is not None:  # the client left: no outcome to count
+                trace.otel.end({"vllm_guard.client_gone": True})
         elif not trace.finished:
             self.accounting.finish(trace, backend, "error")
 
@@ -295,6 +313,9 @@ class Guard:
             refusal: Refusal | RetryTicket = Refusal.MAX_ATTEMPTS
         else:
             refusal = self.budget.request_retry(backend.name, trace.client)
+        if trace.otel is not None:
+            decision = "granted" if isinstance(refusal, RetryTicket) else str(refusal)
+            trace.otel.annotate_attempt({"vllm_guard.retry.decision": decision})
         if isinstance(refusal, RetryTicket):
             trace.ticket = refusal
             return True
@@ -340,7 +361,7 @@ class Guard:
         trace.attempts += 1
         resent = await self._attempt(
             trace.request, attempt.backend, attempt.salt, trace.upstream_headers, trace,
-            ask_logprobs=False,
+            ask_logprobs=False, cause="resend",
         )  # fmt: skip
         if resent.status == 200:
             resent.verdict = attempt.verdict  # the NaN the 400 said, whatever the text
@@ -359,22 +380,35 @@ class Guard:
         overrides: dict[str, Any] | None = None,
         inspector: StreamInspector | None = None,
         ask_logprobs: bool = True,
+        cause: str = "first",
     ) -> Attempt:
         """One attempt; with ``overrides`` and ``inspector`` a released stream's
         continuation (its body changed so, its text read by ``inspector``, which has
         the released text already, and never held back: it is relayed at once).
-        ``ask_logprobs`` False: never with the backend's logprobs ask."""
+        ``ask_logprobs`` False: never with the backend's logprobs ask. ``cause``: why
+        it is made (first, retry, failover, continuation, resend), for its span."""
         trace.attempt_started = time.perf_counter()
         ask = self._logprobs_ask(request, backend, trace) if ask_logprobs else None
         fields = {**attempt_overrides(request, salt), **(ask or {}), **(overrides or {})}
         body = body_with(request, fields)
-        if trace.attempts > 1:
-            # A distinct upstream id per attempt: vLLM may still be aborting the
-            # previous one, and its logs then tell the attempts apart.
+        otel = trace.otel
+        if otel is not None:
+            otel.start_attempt(traced.attempt_attributes(trace, backend, salt, cause))
+        if trace.attempts > 1 or otel is not None:
             headers = headers.copy()
-            headers["x-request-id"] = f"{headers['x-request-id']}-a{trace.attempts}"
+            if trace.attempts > 1:
+                # A distinct upstream id per attempt: vLLM may still be aborting the
+                # previous one, and its logs then tell the attempts apart.
+                headers["x-request-id"] = f"{headers['x-request-id']}-a{trace.attempts}"
+            if otel is not None:  # vLLM's spans nest under this attempt's
+                otel.inject(headers)
         opened = time.perf_counter()
-        response = await backend.open("POST", request.path, headers=headers, body=body)
+        try:
+            response = await backend.open("POST", request.path, headers=headers, body=body)
+        except BaseException as exc:
+            if otel is not None:
+                otel.end_attempt(error=traced.error_type(exc))
+            raise
         # Answered (a response started): the denominator of the bug's rate. An attempt
         # that never reached the backend is not one it could corrupt.
         self.metrics.upstream_attempts.labels(trace.model, backend.name).inc()
@@ -410,17 +444,21 @@ class Guard:
                 attempt.stream.watch_stalls(self.stalls)
                 if not continuing:
                     await self.holding.hold(attempt, trace)
-        except BaseException:
+        except BaseException as exc:
             if attempt.stream is not None:
                 attempt.stream.close()
             else:
                 response.close()
+            if otel is not None:
+                otel.end_attempt(error=traced.error_type(exc))
             raise
         finally:
             attempt.upstream_s = time.perf_counter() - opened
             trace.upstream_s += attempt.upstream_s
         if attempt.stream is None:
             self.accounting.count_attempt(attempt, trace)
+        if otel is not None:
+            otel.annotate_attempt(traced.attempt_answered(attempt))
         return attempt
 
     def _logprobs_ask(
@@ -469,6 +507,8 @@ class Guard:
             return WholeAnswer(attempt.status, attempt.body, headers)
         now = time.perf_counter()
         self.metrics.ttft.labels(trace.model, attempt.backend.name).observe(now - trace.started)
+        if trace.otel is not None:  # the stream's first bytes go to the client now
+            trace.otel.annotate({"vllm_guard.time_to_first_token_s": now - trace.started})
         self.metrics.overhead.labels(trace.request.endpoint, "true").observe(
             max(0.0, now - trace.started - trace.upstream_s)
         )
@@ -631,6 +671,8 @@ class Guard:
         verdict = relayed.verdict
         if not segment.counted:  # a degenerate one left for a continuation was
             self.accounting.count_attempt(segment, trace, degenerate=verdict == "degenerate")
+        if trace.otel is not None:
+            trace.otel.end_attempt(traced.relayed_attempt(segment, verdict, trace.client_gone))
         continuation = trace.continuation
         if continuation is not None:
             continuation.finish(verdict, client_gone=trace.client_gone)
@@ -650,6 +692,8 @@ class Guard:
             trace.model, backend.name, backend.address, kind, trace.request.endpoint
         )
         self.accounting.capture(attempt, trace, kind)
+        if trace.otel is not None:
+            trace.otel.annotate_attempt(traced.degenerate_after_release(kind))
 
     def _after_release(
         self, attempt: Attempt, trace: Trace, kind: DegenerateKind, *, ended: bool = False
@@ -680,6 +724,8 @@ class Guard:
         if trace.continuation is not None:
             trace.continuation.close()
         trace.unroute()
+        if trace.otel is not None:  # ended by the outcome, unless the relay never ran
+            trace.otel.end()
 
 
 def _late_kind(state: StreamState, tail: TailHold | None, ended: bool) -> DegenerateKind | None:
@@ -743,11 +789,20 @@ class _RequestAttempts:
         return backend, salt
 
     async def open_attempt(
-        self, backend: Backend, salt: str, fields: dict[str, Any], inspector: StreamInspector
+        self,
+        backend: Backend,
+        salt: str,
+        fields: dict[str, Any],
+        inspector: StreamInspector,
+        released_tokens: int,
     ) -> Attempt:
         trace = self.trace
         assert trace.upstream_headers is not None
-        return await self.guard._attempt(
+        attempt = await self.guard._attempt(
             trace.request, backend, salt, trace.upstream_headers, trace,
-            overrides=fields, inspector=inspector,
+            overrides=fields, inspector=inspector, cause="continuation",
         )  # fmt: skip
+        if trace.otel is not None:
+            released: Attributes = {"vllm_guard.continuation.released_tokens": released_tokens}
+            trace.otel.annotate_attempt(released)
+        return attempt

@@ -10,6 +10,7 @@ from multidict import CIMultiDict
 from gateway.guard.budget import RetryTicket
 from gateway.guard.continuation import Continuation
 from gateway.guard.request import GuardedRequest
+from gateway.observe.tracing import RequestSpans
 from gateway.upstream.pool import Backend
 
 
@@ -54,6 +55,9 @@ class Trace:
     #: How the answer is continued after release, when its request has a plan
     #: (``gateway.guard.continuation``): its prompt check, its continuations.
     continuation: Continuation | None = None
+    #: The request's OpenTelemetry spans (``gateway.guard.traced``); None while
+    #: tracing is off, or the request not traced.
+    otel: RequestSpans | None = None
 
     @property
     def continuations(self) -> int:

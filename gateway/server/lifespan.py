@@ -18,6 +18,7 @@ from gateway.config import Settings
 from gateway.guard.loop import Guard
 from gateway.observe.evidence import EvidenceStore
 from gateway.observe.metrics import Metrics
+from gateway.observe.tracing import start_tracing
 from gateway.upstream.pool import BackendPool
 from gateway.upstream.scrape import BackendScraper
 
@@ -61,7 +62,11 @@ def runtime_lifespan(
         ).set(1)
         scraper = BackendScraper(pool, metrics, settings.upstream)
         evidence = open_evidence(settings)
-        guard = Guard(settings, pool, metrics, evidence=evidence, version_of=scraper.version_of)
+        tracing = start_tracing(settings.tracing)  # None while off: nothing imported
+        guard = Guard(
+            settings, pool, metrics,
+            evidence=evidence, version_of=scraper.version_of, tracing=tracing,
+        )  # fmt: skip
         attach(app, Runtime(settings, pool, metrics, guard))
         if guard.redis is not None:
             await guard.redis.connect()
@@ -84,6 +89,8 @@ def runtime_lifespan(
             await pool.stop()
             if guard.redis is not None:
                 await guard.redis.close()
+            if tracing is not None:  # the spans still queued, exported
+                tracing.shutdown()
 
     return lifespan
 

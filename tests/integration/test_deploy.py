@@ -186,6 +186,9 @@ def test_compose_stack_is_coherent() -> None:
             source = volume.split(":", 1)[0]
             if source.startswith("."):
                 assert (DEPLOY / "compose" / source).exists(), source
+    gateway = services["vllm-guard"]["environment"]  # tracing: off unless asked for
+    assert gateway["VLLM_GUARD_TRACING__ENABLED"] == "${TRACING:-false}"
+    assert gateway["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"].startswith("${OTLP_TRACES_ENDPOINT:-http")
     scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     targets = {t.split(":")[0] for job in scrape["scrape_configs"]
                for c in job["static_configs"] for t in c["targets"]}  # fmt: skip
@@ -303,6 +306,16 @@ def test_dockerfile_install_steps_in_a_fresh_virtualenv(tmp_path: Path) -> None:
         command = command.replace("/app/requirements.lock", str(DEPLOY / "requirements.lock"))
         command = re.sub(r"(\s)/app(\s|$)", rf"\g<1>{ROOT}\g<2>", command)
         run(str(venv / "bin" / "python"), "-m", *command.split())
+    # The lock holds the tracing extra: the image traces with no other install, over
+    # either OTLP protocol (tracing.enabled and the OTEL_* variables).
+    for protocol in ("http/protobuf", "grpc"):
+        traced = (
+            f"import os; os.environ['OTEL_EXPORTER_OTLP_TRACES_PROTOCOL'] = {protocol!r}\n"
+            "from gateway.config import TracingSettings\n"
+            "from gateway.observe.tracing import start_tracing\n"
+            "start_tracing(TracingSettings(enabled=True)).shutdown()\n"
+        )
+        run(str(venv / "bin" / "python"), "-c", traced, cwd=tmp_path)
     port = free_port()
     with StubBackend() as stub:
         process = subprocess.Popen(

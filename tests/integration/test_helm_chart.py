@@ -115,6 +115,7 @@ def test_the_vllm_pod_monitor_labels_each_pod_as_a_backend() -> None:
         ("replicas=3", "Additional property replicas"),
         ("saltKey.value=too-short", "saltKey.value"),
         ("config.metrics.port=metrics", "config.metrics.port"),
+        ("tracing.protocol=http", "tracing.protocol"),
     ],
 )
 def test_the_values_schema_refuses_bad_values(value: str, complaint: str) -> None:
@@ -295,3 +296,38 @@ def test_a_separate_metrics_port_is_exposed_and_scraped() -> None:
     objects = template("--set", "config.metrics.port=9464", "--set", "config.metrics.host=10.0.0.1")
     config = yaml.safe_load(one(objects, "ConfigMap", "prod-vllm-guard")["data"]["vllm-guard.yaml"])
     assert config["metrics"]["host"] == "10.0.0.1"
+
+
+def test_tracing_is_off_by_default_and_on_sets_the_sdks_variables(tmp_path: Path) -> None:
+    def rendered(*values: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        objects = template(*values)
+        config = yaml.safe_load(
+            one(objects, "ConfigMap", "prod-vllm-guard")["data"]["vllm-guard.yaml"]
+        )
+        container = one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+        return config, {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+    config, env = rendered()
+    assert "tracing" not in config
+    assert not [name for name in env if name.startswith("OTEL_")]
+    endpoint = "http://otel-collector.observability:4317"
+    config, env = rendered(
+        "--set", "tracing.enabled=true", "--set", f"tracing.endpoint={endpoint}",
+        "--set", "tracing.protocol=grpc", "--set", "tracing.keepRetried=false",
+        "--set", "tracing.headersSecret.existingSecret=otlp-auth",
+    )  # fmt: skip
+    assert config["tracing"] == {"enabled": True, "keep_retried": False}
+    assert env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == endpoint
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "grpc"
+    assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
+    assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.1"
+    assert env["OTEL_EXPORTER_OTLP_HEADERS"] == {
+        "secretKeyRef": {"name": "otlp-auth", "key": "headers"}
+    }
+    path = tmp_path / "vllm-guard.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert "OK" in run(str(BIN / "vllm-guard"), "check-config", str(path)).stdout
+    # On without an endpoint is refused at render, not left to fail in the pod.
+    done = run(HELM, "template", "prod", str(CHART), *SALT_KEY, "--set", "tracing.enabled=true",
+               expect_ok=False)  # fmt: skip
+    assert "tracing.endpoint is required" in done.stderr

@@ -1,7 +1,7 @@
 """The gateway's own cost against a fast stub backend, beside nginx and LiteLLM.
 
     make bench-proxy        # installs nginx (Debian) and LiteLLM (own venv) if missing
-    .venv/bin/python tests/perf/bench_proxy.py [--rounds 3] [--peers nginx,litellm,redis]
+    .venv/bin/python tests/perf/bench_proxy.py [--rounds 3] [--peers nginx,litellm,redis,tracing]
                                                [--peers tree=/path/to/another/checkout]
 
 Every proxy is one process in front of the same aiohttp stub that answers
@@ -10,9 +10,12 @@ non-streaming requests (~1.3 KB body) at c=1 and c=32, streams of 24 SSE events
 (vLLM 0.32's own event bytes) written at once or paced (a token every 2 ms, as
 vLLM streams them: each event its own network read), and ~3 MB bodies (three
 base64 screenshots). Peer ``redis``: the gateway again with ``state.redis_url`` (a
-local redis-server), for the cost of shared conversation memory. Prints requests/s, p50/p99, the
-added latency against going direct, and each proxy's CPU time per request / per
-event (from /proc), in one table.
+local redis-server), for the cost of shared conversation memory. Peer ``tracing``: the
+gateway with ``tracing.enabled``, every request sampled, exporting OTLP/HTTP to a
+local sink that answers every export at once (its own process: the gateway's cost
+includes building, batching and sending the spans, from its export thread). Prints
+requests/s, p50/p99, the added latency against going direct, and each proxy's CPU
+time per request / per event (from /proc), in one table.
 """
 
 from __future__ import annotations
@@ -287,6 +290,21 @@ async def load(
         return Run(requests / (time.perf_counter() - began), latencies)
 
 
+#: An OTLP/HTTP sink for the ``tracing`` peer: every export accepted, nothing kept (an
+#: empty ExportTraceServiceResponse is zero bytes of protobuf).
+OTLP_SINK = r"""
+import sys
+from aiohttp import web
+async def traces(request):
+    await request.read()
+    return web.Response(body=b"", content_type="application/x-protobuf")
+app = web.Application(client_max_size=64 * 1024 * 1024)
+app.router.add_post("/v1/traces", traces)
+app.router.add_get("/health", lambda request: web.Response(text="ok"))
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -333,6 +351,19 @@ def main() -> None:
                     # editable install's finder.
                     other.cwd = other.env["PYTHONPATH"] = tree
                     proxies.append((f"vllm-guard ({Path(tree).name})", stack.enter_context(other)))
+            if "tracing" in peers:  # the gateway again, tracing every request (OTLP/HTTP)
+                sink_port = free_port()
+                sink = subprocess.Popen([sys.executable, "-c", OTLP_SINK, str(sink_port)])
+                stack.callback(sink.wait, 10)
+                stack.callback(sink.terminate)
+                wait_http(f"http://127.0.0.1:{sink_port}/health", 30, sink)
+                traced = GatewayProcess(stub_url, "proxy-bench-tracing", tracing={"enabled": True})
+                traced.env.update({
+                    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{sink_port}/v1/traces",
+                    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+                    "OTEL_TRACES_SAMPLER": "always_on",
+                })  # fmt: skip
+                proxies.append(("vllm-guard + tracing", stack.enter_context(traced)))
             if "ask" in peers:  # the gateway again, asking for every answer's logprobs
                 backends = [{"name": "vllm", "url": stub_url, "ask_logprobs": True}]
                 asking = GatewayProcess(

@@ -68,6 +68,8 @@ class Script:
         default_factory=list
     )
     received: list[dict[str, Any]] = field(default_factory=list)
+    #: The headers of each request, in the same order.
+    headers: list[dict[str, str]] = field(default_factory=list)
     #: Set when a streamed answer's client (the gateway) went away mid-stream.
     abandoned: asyncio.Event = field(default_factory=asyncio.Event)
     #: What GET /health answers: 200 while True, else 503 (a backend that died).
@@ -78,6 +80,7 @@ class Script:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.received.append(await request.json())
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
         return await self.answers.pop(0)(request)
 
 

@@ -35,6 +35,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if .Values.clientKeySha256 -}}
 {{- $_ := set $config "auth" (dict "api_key_sha256" .Values.clientKeySha256) -}}
 {{- end -}}
+{{- if .Values.tracing.enabled -}}
+{{- $_ := set $config "tracing" (dict "enabled" true "keep_retried" .Values.tracing.keepRetried) -}}
+{{- end -}}
 {{- toYaml $config -}}
 {{- end -}}
 
