@@ -262,7 +262,7 @@ class Guard:
         trace.degenerate_seen = True
         trace.kinds.append(kind)
         self.metrics.count_degenerate(
-            trace.model, backend.name, backend.address, kind, trace.request.endpoint
+            trace.model, backend.name, backend.series_address, kind, trace.request.endpoint
         )
         self.accounting.capture(attempt, trace, kind)
         self.salting.forget(attempt, trace)
@@ -689,7 +689,7 @@ class Guard:
         trace.kinds.append(kind)
         backend = attempt.backend
         self.metrics.count_degenerate(
-            trace.model, backend.name, backend.address, kind, trace.request.endpoint
+            trace.model, backend.name, backend.series_address, kind, trace.request.endpoint
         )
         self.accounting.capture(attempt, trace, kind)
         if trace.otel is not None:

@@ -448,12 +448,14 @@ class Metrics:
             getattr(self.connection_wait, "_remembered", {}).pop((name,), None)
 
     def count_degenerate(
-        self, model: str, backend: str, address: str, kind: str, endpoint: str
+        self, model: str, backend: str, address: str | None, kind: str, endpoint: str
     ) -> None:
         """An attempt judged degenerate (before or after its release) on the backend
-        named ``backend`` at ``address`` (``Backend.address``)."""
+        named ``backend`` at ``address`` (``Backend.series_address``; None once the pod
+        left the pool: its per-pod series are gone and stay gone)."""
         self.degenerate.labels(model, backend, kind, endpoint).inc()
-        self.backend_degenerate_attempts.labels(backend, address).inc()
+        if address is not None:
+            self.backend_degenerate_attempts.labels(backend, address).inc()
 
     def count_answered(self, endpoint: str, error: GatewayError) -> None:
         """A request the gateway answered itself (when ``error`` is one it answers)."""

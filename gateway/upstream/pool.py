@@ -120,9 +120,19 @@ class Backend:
     #: ``host:port`` of the URL: the metrics' ``backend_address`` label (``backend_address``).
     address: str = field(init=False)
 
+    #: A discovered pod that left the pool: requests under way finish, and nothing
+    #: writes its per-pod series again (``Metrics.forget_backend`` removed them).
+    departed: bool = False
+
     def __post_init__(self) -> None:
         self.address = backend_address(self.settings.url)
         self.keeps_responses = self.settings.keeps_responses
+
+    @property
+    def series_address(self) -> str | None:
+        """The ``backend_address`` its per-pod series are written under; None once it
+        departed."""
+        return None if self.departed else self.address
 
     @property
     def name(self) -> str:
@@ -421,6 +431,7 @@ class BackendPool:
                 backend = self._members.pop((group, address))
                 gone.append(backend)
                 backend.healthy = False  # requests under way finish; no new ones
+                backend.departed = True
                 self.backends.remove(backend)
                 log.warning("backend %s (%s) left: its address is gone", backend.name, address)
             for address, slot in joined.items():

@@ -29,7 +29,7 @@ from gateway.config import BackendRole, UpstreamSettings
 from gateway.observe.metrics import Metrics
 from gateway.periodic import Periodic
 from gateway.upstream.pool import Backend, BackendPool
-from gateway.upstream.responses_store import keeps_responses
+from gateway.upstream.responses_store import StoreProbes
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,18 @@ _SAMPLE = re.compile(
 _NAN_REQUESTS = re.compile(
     rb"^vllm:corrupted_requests_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE
 )
+
+
+def parse_process_start(text: bytes) -> float | None:
+    """When the backend's process started (``process_start_time_seconds``): a new
+    value is a restart, which may bring other settings (``StoreProbes``)."""
+    found = _PROCESS_START.search(text)
+    if found is None:
+        return None
+    try:
+        return float(found.group(1))
+    except ValueError:
+        return None
 
 
 def parse_nan_requests(text: bytes) -> float | None:
@@ -60,9 +72,7 @@ _FIX_INFO = re.compile(
     rb'^vllm_guard_fix_info\{[^}]*status="([a-z_]{1,32})"[^}]*\}\s+1', re.MULTILINE
 )
 FIX_STATUSES = ("active", "refused", "disabled", "absent")
-#: A pod that gives no answer to whether it keeps Responses answers (no Responses
-#: API, or errors while starting) is asked this often, then left unknown (held).
-MAX_STORE_ASKS = 3
+_PROCESS_START = re.compile(rb"^process_start_time_seconds ([0-9.e+]+)$", re.MULTILINE)
 
 
 def parse_fix_status(text: bytes) -> str:
@@ -112,8 +122,9 @@ class BackendScraper:
         #: vLLM's key (``upstream.api_key``): its /v1 paths need it.
         key = settings.api_key
         self._auth = {"authorization": f"Bearer {key.get_secret_value()}"} if key else {}
-        #: How often each pod was asked whether it keeps Responses answers.
-        self._store_asked: dict[tuple[str, str], int] = {}
+        #: The model each pod serves (``/v1/models``' first), for the store probe.
+        self._models: dict[tuple[str, str], str] = {}
+        self.store_probes = StoreProbes(self.pool.probe_timeout_s, self._auth)
         self._fix_status: dict[tuple[str, str], str] = {}
         self._periodic = Periodic(
             settings.metrics_scrape_interval_s, self.scrape_once, "backend scrape"
@@ -132,8 +143,12 @@ class BackendScraper:
             return None
 
     async def _scrape(self, backend: Backend) -> None:
+        if backend.departed:
+            return
         self.metrics.backend_up.labels(*_labels(backend)).set(1 if backend.healthy else 0)
         text = await self._get(backend, "/metrics")
+        if backend.series_address is None:  # it left while this round read it
+            return
         if text is not None:
             counters = parse_prefix_cache(text)
             if counters is not None:
@@ -147,8 +162,10 @@ class BackendScraper:
             if nan_requests is not None:
                 self.metrics.backend_nan_requests.labels(*_labels(backend)).set(nan_requests)
                 self.metrics.backend_degenerate_attempts.labels(*_labels(backend))  # from 0
-        if _key(backend) not in self._versions:
+        if _key(backend) not in self._versions or _key(backend) not in self._models:
             await self._learn_identity(backend)
+        started_at = parse_process_start(text) if text is not None else None
+        self.store_probes.observe(backend, self._models.get(_key(backend)), started_at)
 
     def _record_fix_status(self, backend: Backend, status: str) -> None:
         previous = self._fix_status.get(_key(backend))
@@ -177,13 +194,9 @@ class BackendScraper:
                     m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
                 ]
                 self.metrics.discover_models(models)
-        asked = self._store_asked.get(_key(backend), 0)
-        if backend.keeps_responses is None and models and asked < MAX_STORE_ASKS:
-            self._store_asked[_key(backend)] = asked + 1
-            backend.keeps_responses = await keeps_responses(
-                backend, models[0], self.pool.probe_timeout_s, self._auth
-            )
-        if version_body is not None:
+        if models:
+            self._models[_key(backend)] = models[0]
+        if version_body is not None and backend.series_address is not None:
             with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
                 version = orjson.loads(version_body).get("version")
                 if isinstance(version, str) and len(version) <= 64:
@@ -203,6 +216,7 @@ class BackendScraper:
 
     async def stop(self) -> None:
         await self._periodic.stop()
+        await self.store_probes.stop()
 
 
 def _key(backend: Backend) -> tuple[str, str]:

@@ -274,3 +274,54 @@ print(json.dumps([defined, exported]))
     defined, exported = json.loads(done.stdout)
     assert "vllm_guard_time_to_first_token_seconds" in exported  # the files were read
     assert sorted(set(exported) - set(defined)) == []
+
+
+def test_a_pod_that_left_mid_scrape_or_mid_stream_leaves_no_series_behind() -> None:
+    """A scrape round reading a terminating pod, or its last stream judged degenerate,
+    after discovery removed its series: the series came back under the gone
+    address and nothing removed them again (one more set per pod ever seen). Once a
+    backend has departed nothing writes its per-pod series."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from gateway.config import Settings
+    from gateway.upstream.pool import BackendPool
+    from gateway.upstream.scrape import BackendScraper
+
+    async def scenario() -> str:
+        reading = asyncio.Event()
+
+        async def slow_metrics(request: web.Request) -> web.Response:
+            reading.set()
+            await asyncio.sleep(0.3)  # a terminating pod still answers
+            return web.Response(text='vllm:corrupted_requests_total{model_name="m"} 3\n')
+
+        app = web.Application()
+        app.router.add_get("/metrics", slow_metrics)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        url = str(server.make_url("")).rstrip("/")
+        settings = Settings.model_validate(
+            {"upstream": {"backends": [{"name": "vllm-0", "url": url}]}}
+        )
+        pool = BackendPool(settings.upstream)
+        metrics = Metrics(CollectorRegistry(), models=["m"], backends=pool.names)
+        scraper = BackendScraper(pool, metrics, settings.upstream)
+        pod = pool.backends[0]
+        try:
+            scraping = asyncio.ensure_future(scraper.scrape_once())
+            await reading.wait()
+            pod.departed = True  # discovery: the pod left (BackendPool.discover)
+            metrics.forget_backend(pod.name, pod.address)
+            metrics.count_degenerate("m", pod.name, pod.series_address, "punct_run", "chat")
+            await scraping
+            await scraper.scrape_once()  # a later round does not bring it back either
+            return generate_latest(metrics.registry).decode()
+        finally:
+            await scraper.stop()
+            await pool.stop()
+            await server.close()
+
+    text = asyncio.run(scenario())
+    left = [line for line in text.splitlines() if "backend_address=" in line]
+    assert left == [], left
