@@ -5,6 +5,7 @@ kustomize base describe the same pod: a test compares them, so neither drifts.""
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
 import sys
@@ -331,3 +332,74 @@ def test_tracing_is_off_by_default_and_on_sets_the_sdks_variables(tmp_path: Path
     done = run(HELM, "template", "prod", str(CHART), *SALT_KEY, "--set", "tracing.enabled=true",
                expect_ok=False)  # fmt: skip
     assert "tracing.endpoint is required" in done.stderr
+
+
+def render(*values: str) -> subprocess.CompletedProcess[str]:
+    """``helm template`` with exactly these values (no salt key added), pass or fail."""
+    command = (HELM, "template", "prod", str(CHART), "--namespace", "llm", *values)
+    return run(*command, expect_ok=False)
+
+
+def objects_of(done: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def test_a_values_file_that_still_sets_salt_key_generate_is_told_how_to_keep_its_key(
+    tmp_path: Path,
+) -> None:
+    """An earlier chart generated the key (``saltKey.generate: true``, its default, which
+    ``--reuse-values`` carries over) into the Secret ``<release>-vllm-guard-salt-key``.
+    Such values get the chart's own answer, naming that Secret, not a schema error; where
+    the old chart ignored ``generate`` (an existing Secret named) they still render."""
+    old = tmp_path / "old-values.yaml"
+    old.write_text("saltKey:\n  existingSecret: ''\n  generate: true\n")
+    done = render("-f", str(old))
+    assert done.returncode != 0
+    assert "Additional property" not in done.stderr
+    assert "saltKey.generate was removed" in done.stderr
+    assert "saltKey.existingSecret=prod-vllm-guard-salt-key" in done.stderr
+    # A key given in the gateway's config did not count then (the generated Secret's
+    # variable overrode it): the hint still comes, rather than a silent change of key.
+    done = render("-f", str(old), "--set", f"config.guard.salt_reuse.key={'c' * 64}")
+    assert "saltKey.generate was removed" in done.stderr
+    # Following the hint renders, and the pods read the kept key.
+    kept = render("-f", str(old), "--set", "saltKey.existingSecret=prod-vllm-guard-salt-key")
+    assert salt_key_of(objects_of(kept)) == ("prod-vllm-guard-salt-key", None)
+    # generate: false drew nothing, so there is nothing to keep: it only has no effect.
+    off = render("--set", "saltKey.generate=false", *SALT_KEY)
+    assert salt_key_of(objects_of(off))[1] is not None
+
+
+def test_a_salt_key_in_the_gateway_config_is_accepted_and_kept_out_of_the_config_map() -> None:
+    """``config.guard.salt_reuse.key`` (the gateway's own setting) satisfies the chart's
+    salt-key requirement. The chart moves it into its Secret, read through the same
+    variable as ``saltKey.value``: the ConfigMap, readable by anyone who may read the
+    namespace's configuration, never holds it in plain text."""
+    key = "c" * 48
+    objects = objects_of(render("--set", f"config.guard.salt_reuse.key={key}",
+                                "--set", "config.guard.salt_reuse.ttl_s=600"))  # fmt: skip
+    maps = [o for o in objects if o["kind"] == "ConfigMap"]
+    assert not [m for m in maps if key in yaml.safe_dump(m)]
+    config = yaml.safe_load(one(objects, "ConfigMap", "prod-vllm-guard")["data"]["vllm-guard.yaml"])
+    assert config["guard"]["salt_reuse"] == {"ttl_s": 600}  # the rest of it is kept
+    name, encoded = salt_key_of(objects)
+    assert name == "prod-vllm-guard-salt-key"
+    assert encoded is not None
+    assert base64.b64decode(encoded).decode() == key
+
+    # A new key rolls the pods, as it did while it was part of the config.
+    def annotations(objects: list[dict[str, Any]]) -> dict[str, str]:
+        pod: dict[str, Any] = one(objects, "Deployment")["spec"]["template"]
+        return pod["metadata"]["annotations"]
+
+    other = objects_of(render("--set", f"config.guard.salt_reuse.key={'d' * 48}",
+                              "--set", "config.guard.salt_reuse.ttl_s=600"))  # fmt: skip
+    assert annotations(other) != annotations(objects)
+    # Beside a Secret of yours, yours wins (as the gateway's variable wins over its file),
+    # and the config's key is still not rendered.
+    objects = objects_of(render("--set", f"config.guard.salt_reuse.key={key}",
+                                "--set", "saltKey.existingSecret=my-salt"))  # fmt: skip
+    assert salt_key_of(objects) == ("my-salt", None)
+    assert not [o for o in objects if o["kind"] == "Secret"]
+    assert not [o for o in objects if o["kind"] == "ConfigMap" and key in yaml.safe_dump(o)]

@@ -21,8 +21,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- .Values.saltKey.existingSecret | default (printf "%s-salt-key" (include "vllm-guard.fullname" .)) -}}
 {{- end -}}
 
+{{- /* A salt key given the gateway's own way, config.guard.salt_reuse.key: "" if none. */ -}}
+{{- define "vllm-guard.configSaltKey" -}}
+{{- $guard := (.Values.config | default dict).guard | default dict -}}
+{{- ($guard.salt_reuse | default dict).key | default "" -}}
+{{- end -}}
+
 {{- define "vllm-guard.config" -}}
 {{- $config := deepCopy .Values.config -}}
+{{- $guard := get $config "guard" | default dict -}}
+{{- $saltReuse := get $guard "salt_reuse" | default dict -}}
+{{- if hasKey $saltReuse "key" -}}
+{{- /* The key goes to the chart's Secret (secret.yaml), never into the ConfigMap. */ -}}
+{{- $_ := unset $saltReuse "key" -}}
+{{- if not $saltReuse -}}{{- $_ := unset $guard "salt_reuse" -}}{{- end -}}
+{{- end -}}
 {{- $server := get $config "server" | default dict -}}
 {{- $_ := set $server "shutdown_grace_s" .Values.shutdownGraceSeconds -}}
 {{- $_ := set $config "server" $server -}}
