@@ -137,8 +137,12 @@ class Guard:
         trace.upstream_headers = headers
         trace.continuation = self.holding.continuation_for(request, headers)
         self.budget.record_request()
-        salt = await self.salting.first_salt(trace)
-        backend = home or self._first_backend(fingerprint)
+        try:
+            salt = await self.salting.first_salt(trace)
+            backend = home or self._first_backend(fingerprint)
+        except BaseException as exc:  # no attempt yet: nothing routed, no ticket held
+            self._end_spans(trace, exc)  # NoHealthyBackend (a 503), or the client left
+            raise
         cause = "first"  # why the next attempt is made (its span says)
         # From here the request holds an in-flight count and, while a retry is under
         # way, a budget ticket: every exit below gives both back (``_abandon``), and a
@@ -178,8 +182,9 @@ class Guard:
         except GatewayError:
             self._abandon(trace, backend, recovered=False)
             raise
-        except BaseException:  # the client left: the retry's outcome is unknown
+        except BaseException as exc:  # the client left: the retry's outcome is unknown
             self._abandon(trace, backend, recovered=None)
+            self._end_spans(trace, exc)
             raise
 
     def _abandon(self, trace: Trace, backend: Backend, *, recovered: bool | None) -> None:
@@ -192,10 +197,16 @@ class Guard:
             trace.continuation.end_prompt_check()
         if recovered is None:
             trace.unroute()
-            if trace.otel is not None:  # the client left: no outcome to count
-                trace.otel.end({"vllm_guard.client_gone": True})
         elif not trace.finished:
             self.accounting.finish(trace, backend, "error")
+
+    @staticmethod
+    def _end_spans(trace: Trace, exc: BaseException) -> None:
+        """The request leaves ``handle`` with ``exc`` and no outcome counted (none to
+        count: the client left, or no backend could be chosen): its spans end with
+        the error's type."""
+        if trace.otel is not None:
+            trace.otel.end(traced.left_with(exc), error=traced.error_type(exc))
 
     def _new_trace(
         self, request: GuardedRequest, started: float, client: str
@@ -394,6 +405,9 @@ class Guard:
         otel = trace.otel
         if otel is not None:
             otel.start_attempt(traced.attempt_attributes(trace, backend, salt, cause))
+            if trace.attempts > 1:  # a retry, failover, continuation or resend: marked now,
+                # for ``keep_retried``, however the request ends (the client may leave)
+                otel.annotate(traced.RETRIED_MARK)
         if trace.attempts > 1 or otel is not None:
             headers = headers.copy()
             if trace.attempts > 1:
@@ -805,4 +819,7 @@ class _RequestAttempts:
         if trace.otel is not None:
             released: Attributes = {"vllm_guard.continuation.released_tokens": released_tokens}
             trace.otel.annotate_attempt(released)
+            if attempt.status != 200:  # the continuation fails (the relay ends in error):
+                # its span ends now, with its own status, not the relayed segment's end
+                trace.otel.end_attempt(error=traced.http_error_type(attempt.status))
         return attempt

@@ -11,6 +11,7 @@ guard's hooks check ``trace.otel is not None``: with tracing off, nothing here r
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 
 from gateway.guard.attempt import Attempt
@@ -133,6 +134,21 @@ def degenerate_after_release(kind: str) -> Attributes:
         "vllm_guard.degenerate.kind": kind,
         "vllm_guard.degenerate.after_release": True,
     }
+
+
+#: The request span's mark, set as its second attempt starts (``keep_retried``).
+RETRIED_MARK: Attributes = {RETRIED: True}
+
+
+def left_with(exc: BaseException) -> Attributes:
+    """The request span of a request that left the guard with ``exc``, uncounted."""
+    return {"vllm_guard.client_gone": True} if isinstance(exc, asyncio.CancelledError) else {}
+
+
+def http_error_type(status: int) -> str:
+    """``error.type`` of an attempt answered with an HTTP error: its status code (the
+    HTTP semantic conventions' choice)."""
+    return str(status)
 
 
 def error_type(exc: BaseException) -> str:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from opentelemetry import trace as trace_api
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
@@ -40,6 +42,9 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 #: Request spans whose unsampled traces wait for their request's end (``KeepRetried``):
 #: past this many (requests that never ended?) the oldest are dropped.
 MAX_HELD_REQUESTS = 10_000
+
+#: How long the process's stop waits for the queued spans' export (``shutdown``).
+SHUTDOWN_TIMEOUT_S = 3.0
 
 
 class OtelTracing:
@@ -85,11 +90,28 @@ class OtelTracing:
         self, name: str, parent_headers: Mapping[str, str], attributes: Attributes
     ) -> OtelRequestSpans:
         parent = _PROPAGATOR.extract(parent_headers) if "traceparent" in parent_headers else None
-        span = self.tracer.start_span(name, parent, SpanKind.SERVER, attributes)
+        span = _start(self.tracer, name, parent, SpanKind.SERVER, attributes)
         return OtelRequestSpans(self.tracer, span)
 
-    def shutdown(self) -> None:
-        self.provider.shutdown()
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
+        """The provider's shutdown (the queued spans exported), waited for up to
+        ``timeout_s``: whether it finished. The SDK bounds neither (the batch
+        processor waits up to 30 s for its worker, whose export to a collector that is
+        down retries for the exporter's timeout; ``force_flush`` ignores its timeout),
+        so it runs in a daemon thread that is left behind, never holding the process."""
+        done = threading.Thread(
+            target=self.provider.shutdown, name="vllm-guard-tracing-shutdown", daemon=True
+        )
+        done.start()
+        done.join(timeout_s)
+        if done.is_alive():
+            log.warning(
+                "tracing: the spans still queued were not exported within %.1f s "
+                "(is the OTLP collector reachable?); stopping without them",
+                timeout_s,
+            )
+            return False
+        return True
 
 
 class OtelRequestSpans:
@@ -107,8 +129,8 @@ class OtelRequestSpans:
 
     def start_attempt(self, attributes: Attributes) -> None:
         self.end_attempt()
-        self._attempt = self._tracer.start_span(
-            "vllm_guard.attempt", self._context, SpanKind.CLIENT, attributes
+        self._attempt = _start(
+            self._tracer, "vllm_guard.attempt", self._context, SpanKind.CLIENT, attributes
         )
 
     def annotate_attempt(self, attributes: Attributes) -> None:
@@ -138,6 +160,22 @@ class OtelRequestSpans:
                 del headers[name]
         span = self._attempt or self._span
         _PROPAGATOR.inject(headers, trace_api.set_span_in_context(span))
+
+
+def _start(
+    tracer: trace_api.Tracer,
+    name: str,
+    parent: Context | None,
+    kind: SpanKind,
+    attributes: Attributes,
+) -> trace_api.Span:
+    span = tracer.start_span(name, parent, kind, attributes)
+    if not span.get_span_context().trace_flags.sampled:
+        # The sampler said no, and with it dropped the start's attributes (the SDK's
+        # samplers do): a span recorded anyway (``keep_retried``) gets them here. Not
+        # recorded, the call does nothing.
+        span.set_attributes(attributes)
+    return span
 
 
 def _end(span: trace_api.Span, attributes: Attributes | None, error: str | None) -> None:

@@ -15,6 +15,7 @@ attempt that caused them.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, MutableMapping
 from typing import TYPE_CHECKING, Protocol
 
@@ -73,9 +74,16 @@ class Tracing(Protocol):
         client's ``traceparent``/``tracestate``) when there is one."""
         ...
 
-    def shutdown(self) -> None:
-        """Export what is still queued (at the process's stop)."""
+    def shutdown(self) -> bool:
+        """Export what is still queued (at the process's stop), waiting a bounded
+        time (a collector that is down must not hold the stop): whether it finished.
+        Blocking: the server runs it off the event loop (``stop_tracing``)."""
         ...
+
+
+async def stop_tracing(tracing: Tracing) -> None:
+    """``tracing.shutdown()`` in a worker thread: the event loop goes on meanwhile."""
+    await asyncio.to_thread(tracing.shutdown)
 
 
 def start_tracing(settings: TracingSettings) -> Tracing | None:

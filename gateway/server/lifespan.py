@@ -18,7 +18,7 @@ from gateway.config import Settings
 from gateway.guard.loop import Guard
 from gateway.observe.evidence import EvidenceStore
 from gateway.observe.metrics import Metrics
-from gateway.observe.tracing import start_tracing
+from gateway.observe.tracing import start_tracing, stop_tracing
 from gateway.upstream.pool import BackendPool
 from gateway.upstream.scrape import BackendScraper
 
@@ -89,8 +89,8 @@ def runtime_lifespan(
             await pool.stop()
             if guard.redis is not None:
                 await guard.redis.close()
-            if tracing is not None:  # the spans still queued, exported
-                tracing.shutdown()
+            if tracing is not None:  # the spans still queued, exported (a few seconds at most)
+                await stop_tracing(tracing)
 
     return lifespan
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gzip
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -172,19 +171,25 @@ def test_a_poisoned_request_is_one_trace_with_vllms_spans_under_each_attempt(
     assert root.attributes["vllm_guard.verdict"] == "recovered"
     assert root.attributes["gen_ai.request.model"] == vllm.model
 
+    def attempts_of(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
+        return sorted(
+            (s for s in spans if s.service == "vllm-guard" and s.parent_id == root.span_id),
+            key=lambda s: s.attributes["vllm_guard.attempt.number"],
+        )
+
     def complete() -> bool:
-        return sum(span.service == "vllm" for span in receiver.trace(root.trace_id)) >= 2
+        """Both attempts' spans, and vLLM's span under each of them, arrived."""
+        spans = receiver.trace(root.trace_id)
+        attempt_ids = {a.span_id for a in attempts_of(spans)}
+        vllm_parents = {s.parent_id for s in spans if s.service == "vllm"}
+        return len(attempt_ids) == 2 and attempt_ids <= vllm_parents
 
     # vLLM exports from its own processes, in its own batches.
     assert wait_for(complete, timeout_s=60), "vLLM's spans are not in the gateway's trace: " + str(
         [(s.trace_id, s.parent_id) for s in receiver.spans if s.name == "llm_request"]
     )
-    time.sleep(0.5)  # anything else of this trace still on its way
     spans = receiver.trace(root.trace_id)
-    attempts = sorted(
-        (s for s in spans if s.service == "vllm-guard" and s.parent_id == root.span_id),
-        key=lambda s: s.attributes["vllm_guard.attempt.number"],
-    )
+    attempts = attempts_of(spans)
     assert [a.attributes["vllm_guard.verdict"] for a in attempts] == ["degenerate", "clean"]
     first, second = attempts
     assert first.attributes["vllm_guard.salted"] is False

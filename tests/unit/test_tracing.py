@@ -9,14 +9,21 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
+import time
+import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 from multidict import CIMultiDict
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
+from packaging.requirements import Requirement
 from test_continuation import BANG_RUN, FIRST_TOKEN, paced
 from test_guard_loop import (
     BANGS,
@@ -33,6 +40,7 @@ from test_guard_loop import (
 )
 
 from gateway.config import TracingSettings
+from gateway.errors import NoHealthyBackend
 from gateway.guard.loop import Guard
 from gateway.observe.otel import OtelTracing, exporter_from_environment
 from gateway.observe.tracing import start_tracing
@@ -299,3 +307,276 @@ def test_the_otlp_exporter_speaks_the_protocol_the_environment_names(
     tracing = start_tracing(TracingSettings(enabled=True))  # spans made, none exported
     assert isinstance(tracing, OtelTracing)
     tracing.shutdown()
+
+
+# -- every request span ends, once, whatever becomes of the request ------------------
+
+
+def spied_request_spans(guard: Guard) -> list[Any]:
+    """The request spans ``guard`` starts, as they start."""
+    started: list[Any] = []
+    assert guard.tracing is not None
+    start = guard.tracing.request
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        spans = start(*args, **kwargs)
+        started.append(spans)
+        return spans
+
+    guard.tracing.request = spy  # type: ignore[method-assign]
+    return started
+
+
+def test_a_request_no_backend_can_serve_ends_its_span_with_the_error() -> None:
+    async def scenario() -> None:
+        script = Script([answers_whole(CLEAN_TEXT)])
+        async with guard_with(script) as guard:
+            exporter = traced(guard)
+            started = spied_request_spans(guard)
+            for backend in guard.pool.backends:
+                backend.healthy = False
+            with pytest.raises(NoHealthyBackend):
+                await handle(guard)  # the client gets a 503
+            assert len(started) == 1
+            root, attempts = split(exporter.get_finished_spans())
+            assert attempts == []
+            assert attrs(root)["error.type"] == "no_healthy_backend"
+            assert root.status.status_code is StatusCode.ERROR
+
+    asyncio.run(scenario())
+
+
+def test_a_client_leaving_before_the_first_attempt_ends_the_request_span() -> None:
+    """The client leaves while the first salt is looked up (Redis, shared salts)."""
+
+    async def scenario() -> None:
+        script = Script([answers_whole(CLEAN_TEXT)])
+        async with guard_with(script) as guard:
+            exporter = traced(guard)
+            started = spied_request_spans(guard)
+            looking_up = asyncio.Event()
+
+            async def slow_lookup(trace: Any) -> str | None:
+                looking_up.set()
+                await asyncio.sleep(10)
+                return None
+
+            guard.salting.first_salt = slow_lookup  # type: ignore[method-assign]
+            work = asyncio.ensure_future(handle(guard))
+            await asyncio.wait_for(looking_up.wait(), 5)
+            work.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await work
+            assert len(started) == 1
+            root, attempts = split(exporter.get_finished_spans())
+            assert attempts == []
+            assert attrs(root)["error.type"] == "CancelledError"
+            assert attrs(root)["vllm_guard.client_gone"] is True
+            assert script.received == []
+
+    asyncio.run(scenario())
+
+
+# -- keep_retried keeps every retried trace, however its request ends ---------------
+
+
+def answers_after(delay_s: float) -> Any:
+    async def answer(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(delay_s)
+        return await answers_whole(CLEAN_TEXT)(request)
+
+    return answer
+
+
+def test_keep_retried_keeps_the_trace_of_a_client_that_left_mid_retry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+
+    async def scenario() -> None:
+        script = Script([answers_whole(BANGS), answers_after(10)])
+        async with guard_with(script) as guard:
+            exporter = traced(guard)
+            work = asyncio.ensure_future(handle(guard))
+            for _ in range(500):
+                if len(script.received) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(script.received) == 2  # the retry is under way
+            work.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await work
+            root, (first, retry) = split(exporter.get_finished_spans())
+            assert attrs(first)["vllm_guard.retry.decision"] == "granted"
+            assert attrs(root)["vllm_guard.retried"] is True
+            assert attrs(root)["vllm_guard.client_gone"] is True
+            assert attrs(retry)["vllm_guard.attempt.cause"] == "retry"
+            assert attrs(retry)["error.type"] == "CancelledError"
+            assert isinstance(guard.tracing, OtelTracing)
+            assert guard.tracing.keep_retried is not None
+            assert guard.tracing.keep_retried.held == {}
+
+    asyncio.run(scenario())
+
+
+def test_keep_retried_keeps_a_retried_stream_whose_relay_never_ran(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The retry's stream is released, and closed before its relay starts (the
+    client left between the response's start and its body)."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+
+    async def scenario() -> None:
+        script = Script(
+            [answers_stream(stream_of(*["!!!!"] * 12)), answers_stream(stream_of(CLEAN_TEXT))]
+        )
+        async with guard_with(script) as guard:
+            exporter = traced(guard)
+            answer = await handle(guard, stream=True)
+            assert header(answer, "x-vllm-guard-attempts") == "2"
+            assert exporter.get_finished_spans() == ()  # the request is not over
+            answer.on_close()  # type: ignore[attr-defined]
+            root, attempts = split(exporter.get_finished_spans())
+            assert len(attempts) == 2
+            assert attrs(root)["vllm_guard.retried"] is True
+
+    asyncio.run(scenario())
+
+
+# -- a continuation that fails has a span of its own ----------------------------------
+
+
+def answers_status(status: int) -> Any:
+    async def answer(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "overloaded"}}, status=status)
+
+    return answer
+
+
+def test_a_continuation_answered_with_an_error_ends_its_own_span_with_it() -> None:
+    async def scenario() -> None:
+        late = stream_of("Open", " the", " door", "\n", *BANG_RUN)
+        script = Script([paced(late), answers_status(503)])
+        async with guard_with(script, stream=FIRST_TOKEN) as guard:
+            exporter = traced(guard)
+            await relayed(await handle(guard, stream=True))
+            root, (released, continuation) = split(exporter.get_finished_spans())
+            cont = attrs(continuation)
+            assert cont["vllm_guard.attempt.cause"] == "continuation"
+            assert cont["http.response.status_code"] == 503
+            assert cont["vllm_guard.verdict"] == "error"
+            assert cont["error.type"] == "503"
+            assert continuation.status.status_code is StatusCode.ERROR
+            assert "gen_ai.usage.input_tokens" not in cont  # none of the released stream's
+            assert "error.type" not in attrs(released)
+            assert attrs(root)["vllm_guard.verdict"] == "error"
+
+    asyncio.run(scenario())
+
+
+# -- the process's stop is never held by a collector that is down ---------------------
+
+
+class HangingExporter(SpanExporter):
+    """A collector that does not answer: each export hangs until ``answer`` is set."""
+
+    def __init__(self) -> None:
+        self.answer = threading.Event()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.answer.wait(60)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_stopping_tracing_with_the_collector_down_is_bounded_and_off_the_event_loop() -> None:
+    exporter = HangingExporter()
+    tracing = OtelTracing(TracingSettings(enabled=True), exporter)  # batched, as served
+    try:
+        tracing.request("chat m", {}, {}).end()
+        stopped: list[float] = []
+
+        def stop() -> None:
+            started = time.monotonic()
+            tracing.shutdown()
+            stopped.append(time.monotonic() - started)
+
+        stopping = threading.Thread(target=stop, daemon=True)
+        stopping.start()
+        stopping.join(10)  # the SDK alone: 30 s, and on while the export hangs
+        assert stopped, "tracing.shutdown() still waits for the collector"
+        assert stopped[0] < 5
+
+    finally:
+        exporter.answer.set()
+
+
+class SlowToStop:
+    """A tracer whose shutdown blocks its caller for a while."""
+
+    def shutdown(self) -> bool:
+        time.sleep(0.5)
+        return True
+
+
+def test_the_server_stops_tracing_off_the_event_loop() -> None:
+    from gateway.observe import tracing
+
+    async def scenario() -> None:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.ensure_future(tick())
+        await asyncio.wait_for(tracing.stop_tracing(SlowToStop()), 5)  # type: ignore[arg-type]
+        ticker.cancel()
+        assert ticks > 10  # the loop went on while the stop waited
+
+    asyncio.run(scenario())
+
+
+def test_the_tracing_extra_asks_for_an_sdk_that_has_what_the_gateway_imports() -> None:
+    """``gateway.observe.otel`` imports ``AlwaysRecordSampler`` (``keep_retried``),
+    first in opentelemetry-sdk 1.45.0 (1.44.0 lacks it); the OTLP exporters are
+    released in step with the SDK. The image's lock pins releases in range."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    lock = (ROOT / "deploy" / "requirements.lock").read_text().splitlines()
+    pins = dict(line.split("==", 1) for line in lock if "==" in line)
+    extra = [Requirement(spec) for spec in project["project"]["optional-dependencies"]["tracing"]]
+    assert {r.name for r in extra} == {
+        "opentelemetry-sdk",
+        "opentelemetry-exporter-otlp-proto-http",
+        "opentelemetry-exporter-otlp-proto-grpc",
+    }
+    for requirement in extra:
+        assert not requirement.specifier.contains("1.44.0"), requirement
+        assert requirement.specifier.contains("1.45.0"), requirement
+        assert requirement.specifier.contains(pins[requirement.name]), requirement
+
+
+def test_keep_retried_exports_the_spans_it_kept_with_their_start_attributes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The SDK's samplers drop a span's start attributes with their "no": the spans
+    recorded anyway, and kept, carry them all the same."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+
+    async def scenario() -> None:
+        script = Script([answers_whole(BANGS), answers_whole(CLEAN_TEXT)])
+        async with guard_with(script) as guard:
+            exporter = traced(guard)
+            await handle(guard)
+            root, (first, second) = split(exporter.get_finished_spans())
+            assert attrs(root)["gen_ai.request.model"] == "m"
+            assert attrs(root)["vllm_guard.request_id"] == "req-1"
+            assert attrs(first)["vllm_guard.attempt.cause"] == "first"
+            assert attrs(second)["vllm_guard.attempt.cause"] == "retry"
+            assert attrs(second)["vllm_guard.backend"] == "b0"
+
+    asyncio.run(scenario())
