@@ -216,9 +216,11 @@ def test_each_backend_is_asked_once_whether_it_keeps_responses_answers(
         metrics = Metrics(CollectorRegistry(), models=["tiny"], backends=pool.names)
         scraper = BackendScraper(pool, metrics, settings.upstream)
         try:
-            await scraper.scrape_once()
+            await scraper.scrape_once()  # asks in the background
+            await scraper.store_probes.settled()
             return [b.keeps_responses for b in pool.backends]
         finally:
+            await scraper.stop()
             await pool.stop()
 
     before = _responses_created(fixed_vllm.url)
