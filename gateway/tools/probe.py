@@ -159,6 +159,11 @@ def load_jsonl(path: Path) -> list[dict[str, Any]]:
 # -- one request -------------------------------------------------------------------------
 
 
+def auth_headers(config: ProbeConfig) -> dict[str, str]:
+    """The target's key (``--api-key``), for every request the probe sends."""
+    return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+
 class Client:
     def __init__(self, config: ProbeConfig, session: aiohttp.ClientSession) -> None:
         self.config = config
@@ -169,7 +174,7 @@ class Client:
     async def send(self, body: dict[str, Any]) -> Outcome:
         body = {**body, **self.config.extra_body}
         path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        headers = auth_headers(self.config)
         stream = bool(body.get("stream"))
         if stream:
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
@@ -317,8 +322,7 @@ async def run_probe(
         if nan_before is not None:
             await asyncio.sleep(1.0)  # vLLM counts a request's NaNs as its stats arrive
         after = await _target_counters(session, config.target)
-        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        support = await logprobs_support(session, config.target, config.model, headers)
+        support = await logprobs_support(session, config.target, config.model, auth_headers(config))
         nan_after = (
             (await _target_counters(session, counted_at)).nan_requests
             if counted_at

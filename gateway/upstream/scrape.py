@@ -41,6 +41,7 @@ _SAMPLE = re.compile(
 _NAN_REQUESTS = re.compile(
     rb"^vllm:corrupted_requests_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$", re.MULTILINE
 )
+_PROCESS_START = re.compile(rb"^process_start_time_seconds ([0-9.e+]+)$", re.MULTILINE)
 
 
 def parse_process_start(text: bytes) -> float | None:
@@ -72,7 +73,6 @@ _FIX_INFO = re.compile(
     rb'^vllm_guard_fix_info\{[^}]*status="([a-z_]{1,32})"[^}]*\}\s+1', re.MULTILINE
 )
 FIX_STATUSES = ("active", "refused", "disabled", "absent")
-_PROCESS_START = re.compile(rb"^process_start_time_seconds ([0-9.e+]+)$", re.MULTILINE)
 
 
 def parse_fix_status(text: bytes) -> str:
@@ -184,8 +184,10 @@ class BackendScraper:
             )  # fmt: skip
 
     async def _learn_identity(self, backend: Backend) -> None:
-        version_body = await self._get(backend, "/version")
-        models_body = await self._get(backend, "/v1/models")
+        """The backend's version and model, each asked only until it is known."""
+        key = _key(backend)
+        version_body = None if key in self._versions else await self._get(backend, "/version")
+        models_body = None if key in self._models else await self._get(backend, "/v1/models")
         models: list[str] = []
         if models_body is not None:
             with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
@@ -195,12 +197,12 @@ class BackendScraper:
                 ]
                 self.metrics.discover_models(models)
         if models:
-            self._models[_key(backend)] = models[0]
+            self._models[key] = models[0]
         if version_body is not None and backend.series_address is not None:
             with contextlib.suppress(orjson.JSONDecodeError, AttributeError):
                 version = orjson.loads(version_body).get("version")
                 if isinstance(version, str) and len(version) <= 64:
-                    self._versions[_key(backend)] = version
+                    self._versions[key] = version
                     self.metrics.backend_info.labels(*_labels(backend), version).set(1)
 
     async def scrape_once(self) -> None:
