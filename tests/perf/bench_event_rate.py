@@ -101,8 +101,9 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log
 LOADER = r"""
 import asyncio, json, sys, time, aiohttp
 url, concurrency, total, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+prompt = ("open the settings page " * (int(sys.argv[5]) // 23 + 1))[:int(sys.argv[5])]
 body = json.dumps({"model": "stub", "stream": True, "max_tokens": tokens,
-                   "messages": [{"role": "user", "content": "open the settings page"}]},
+                   "messages": [{"role": "user", "content": prompt}]},
                   separators=(",", ":"))
 firsts, gaps, events = [], [], [0]
 async def one(session):
@@ -146,12 +147,13 @@ def pct(values: list[float], q: float) -> float:
 
 
 def run_once(
-    url: str, proxy: ServiceProcess | None, concurrency: int, tokens: int
+    url: str, proxy: ServiceProcess | None, concurrency: int, tokens: int, prompt_bytes: int
 ) -> dict[str, float]:
     cpu_before = proxy.cpu_seconds() if proxy else 0.0
     streams = concurrency * 4
     with tempfile.TemporaryFile() as samples:
-        loader = [sys.executable, "-c", LOADER, url, str(concurrency), str(streams), str(tokens)]
+        loader = [sys.executable, "-c", LOADER, url, str(concurrency), str(streams), str(tokens),
+                  str(prompt_bytes)]  # fmt: skip
         subprocess.run(["taskset", "-c", CPUS["load"], *loader], stdout=samples, check=True)
         samples.seek(0)
         result = json.loads(samples.read())
@@ -163,6 +165,7 @@ def run_once(
         "itl_p99": pct(result["gaps"], 0.99) * 1000,
         "cpu_per_event_us": cpu / result["events"] * 1e6,
         "cpu_share": cpu / result["wall"],
+        "cpu_per_request_us": cpu / streams * 1e6,
     }
 
 
@@ -193,6 +196,8 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=12.0)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
+    # vllm bench serve's prefix_repetition prompts (512 + 32 tokens) are ~2 KB of text.
+    parser.add_argument("--prompt-bytes", type=int, default=22, help="the user message's size")
     parser.add_argument("--peers", default="", help="aiohttp, workers2, tree=<checkout>")
     parser.add_argument("--proxy-cpus", default="1", help="taskset list for each proxy")
     parser.add_argument("--load-cpus", default="0", help="taskset list for the stub and loader")
@@ -234,7 +239,7 @@ def main() -> None:
                 for name, (url, proxy) in routes.items():
                     last = round_number == args.rounds - 1 and c == levels[-1]
                     spy = profiled(proxy, args.profile) if last and name == "guard off" else None
-                    sample = run_once(url, proxy, c, args.tokens)
+                    sample = run_once(url, proxy, c, args.tokens, args.prompt_bytes)
                     if spy is not None:
                         spy.wait(timeout=60)
                     results.setdefault((c, name), []).append(sample)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -52,43 +53,38 @@ def plugin(out: Path) -> None:
         )
 
 
-ROUTES = ("direct", "off", "off2", "auto", "adaptive")
-
-
 def gateway(out: Path) -> None:
+    """Medians over bench_routes.py's rounds (routes.json), each route against direct."""
+    report = json.loads((out / "routes.json").read_text())
+    clk = float(report["clk_tck"])
+    runs: dict[tuple[int, str], list[dict[str, float]]] = {}
+    for row in report["runs"]:
+        runs.setdefault((row["conc"], row["route"]), []).append(row)
+
+    def median(conc: int, route: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[(conc, route)])
+
     print(
         "| c | route | TTFT p50 / p99 ms | ITL p50 / p99 ms | E2E p50 ms | output tok/s "
         "| vs direct: TTFT p50, ITL p50, tok/s | gateway CPU per output token |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    tick = out / "clk_tck.txt"
-    clk = float(tick.read_text()) if tick.exists() else 100.0
-    concs = sorted({int(p.name.split("_")[1][1:]) for p in out.glob("serve_c*_direct.json")})
-    for conc in concs:
-        direct: dict[str, float] = {}
-        for route in ROUTES:
-            path = out / f"serve_c{conc}_{route}.json"
-            if not path.exists():
-                continue
-            r = json.loads(path.read_text())
-            if route == "direct":
-                direct = r
-            ratios = "-"
-            if direct and route != "direct":
-                ratios = (
-                    f"{r['median_ttft_ms'] / direct['median_ttft_ms']:.2f}x, "
-                    f"{r['median_itl_ms'] / direct['median_itl_ms']:.2f}x, "
-                    f"{r['output_throughput'] / direct['output_throughput']:.2f}x"
-                )
-            ticks = out / f"cpu_ticks_c{conc}_{route}.txt"
-            cpu = "-"
-            if ticks.exists() and r.get("total_output_tokens"):
-                cpu = f"{float(ticks.read_text()) / clk / r['total_output_tokens'] * 1e6:.0f} µs"
-            print(
-                f"| {conc} | {route} | {r['median_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} "
-                f"| {r['median_itl_ms']:.2f} / {r['p99_itl_ms']:.2f} | {r['median_e2el_ms']:.0f} "
-                f"| {r['output_throughput']:.0f} | {ratios} | {cpu} |"
+    for conc, route in runs:
+        m = {key: median(conc, route, key) for key in runs[(conc, route)][0] if key != "route"}
+        ratios = cpu = "-"
+        if route != "direct":
+            ratios = ", ".join(
+                f"{m[key] / median(conc, 'direct', key):.2f}x"
+                for key in ("median_ttft_ms", "median_itl_ms", "output_throughput")
             )
+            tokens = sum(r["total_output_tokens"] for r in runs[(conc, route)])
+            ticks = sum(r["cpu_ticks"] for r in runs[(conc, route)])
+            cpu = f"{ticks / clk / tokens * 1e6:.0f} µs"
+        print(
+            f"| {conc} | {route} | {m['median_ttft_ms']:.1f} / {m['p99_ttft_ms']:.1f} "
+            f"| {m['median_itl_ms']:.2f} / {m['p99_itl_ms']:.2f} | {m['median_e2el_ms']:.0f} "
+            f"| {m['output_throughput']:.0f} | {ratios} | {cpu} |"
+        )
 
 
 #: Where a sampled stack's time goes, by the deepest frame that names a part of the relay.

@@ -7,7 +7,12 @@
 #
 # Both serve a tiny Qwen3-Next-shaped model (three Gated-DeltaNet layers, one attention
 # layer, MoE, one MTP layer; random weights, mk_tiny.py + tinyinit.py) with prefix
-# caching and MTP speculative decoding.
+# caching and MTP speculative decoding. TEXT_MODEL=1 serves it with trained weights
+# instead: recipe/train_text.py first trains target and MTP layer for TRAIN_S seconds
+# (default 150) on this GPU on Python's pydoc text (an answer in words to any user
+# message, MTP acceptance a trained drafter's) and logs to OUT/train_text.log; TEXT_CHECK=1
+# also checks model.safetensors against vLLM's own loaders (vLLM's strict load at start
+# checks it too); TEXT_MODEL=keep reuses the weights an earlier run left in /tmp/tiny.
 #
 # 1. Two servers one after the other, stock (VLLM_GUARD_FIX_DISABLE=1) and fixed
 #    (VLLM_GUARD_FIX_REQUIRE=1: vLLM refuses to start unless the plugin is active),
@@ -20,7 +25,7 @@
 #    at c=8 and c=64: TTFT, ITL, throughput. CONCS="64 256" POLICIES="off off2" picks the
 #    concurrencies and gateways (off2: the guard off, two workers); each gateway's CPU
 #    seconds per run from /proc; PROFILE=1 records the "off" gateway with py-spy (its wheel
-#    in .gpu/tools/) during the last concurrency's run: a collapsed-stack file.
+#    in .gpu/tools/) during each concurrency's run: a collapsed-stack file per concurrency.
 # 3. tests/perf/bench_event_rate.py on this machine's CPUs (no GPU, no vLLM): the same
 #    relay against a stub that steps like an engine, direct vs through, CPU per event.
 #
@@ -31,7 +36,9 @@ MODE=${1:?usage: run.sh plugin|gateway [OUT]}; OUT=${2:-${OUT:-/tmp/gpu-out}}; m
 H=$(cd "$(dirname "$0")" && pwd); ROOT=$(cd "$H/../../.." && pwd); T0=$(date +%s)
 BUNDLE=${BUNDLE:-$ROOT/.gpu}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
-export VLLM_USE_FLASHINFER_SAMPLER=0 TINY_INIT=1 TINY_ALPHA=${TINY_ALPHA:-4.0}
+export VLLM_USE_FLASHINFER_SAMPLER=0
+TEXT_MODEL=${TEXT_MODEL:-0}
+[ "$TEXT_MODEL" = 0 ] && export TINY_INIT=1 TINY_ALPHA=${TINY_ALPHA:-4.0}
 say() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
 
 # -- vLLM, the plugin, the gateway's dependencies -------------------------------------------
@@ -61,13 +68,48 @@ PY
 fi
 GATEWAY_PATH=$SITE:/tmp/gwsite:$ROOT
 python3 "$H/recipe/mk_tiny.py" /tmp/tiny >/dev/null || exit 5
+LOAD=(--load-format dummy)  # random weights (tinyinit.py through TINY_INIT)
+if [ "$TEXT_MODEL" != 0 ] && [ "$MODE" != stub ]; then
+  # The GPU image's own torch and transformers (the bundle in $SITE has neither).
+  if [ "$TEXT_MODEL" = keep ] && [ -f /tmp/tiny/model.safetensors ]; then
+    say "serving the weights already in /tmp/tiny"
+  else
+    say "training on pydoc text for ${TRAIN_S:-150}s"
+    python3 "$H/recipe/train_text.py" /tmp/tiny --seconds ${TRAIN_S:-150} --device cuda \
+      --no-vllm-check > "$OUT/train_text.log" 2>&1 || { tail -30 "$OUT/train_text.log"; exit 7; }
+    grep -E "^(trained|final loss|sample|  )" "$OUT/train_text.log"
+    say "trained"
+  fi
+  if [ "${TEXT_CHECK:-0}" = 1 ]; then  # vLLM's loaders, from $SITE where the bundle is used
+    PYTHONPATH=$SITE python3 "$H/recipe/train_text.py" /tmp/tiny --check >> "$OUT/train_text.log" 2>&1 \
+      || { tail -30 "$OUT/train_text.log"; exit 7; }
+    grep "^check:" "$OUT/train_text.log" | tail -1
+  fi
+  cp /tmp/tiny/train_text.json "$OUT/" 2>/dev/null
+  LOAD=(--load-format safetensors)
+fi
 CORES=$(nproc); VLLM_CORES=0-$(( CORES / 2 - 1 ))
+
+# Compile caches (Triton kernels, torch.compile, inductor): a fresh machine spends ~2 of its
+# ~5.5 minutes of vLLM start compiling the GDN/MoE kernels. SAVE_CACHE=1 packs them into
+# $OUT once vLLM is up; put the parts in $BUNDLE/cache/ and the next call starts from them.
+COMPILE_CACHES="root/.triton root/.cache/vllm tmp/torchinductor_root"
+if ls "$BUNDLE"/cache/compile_cache.tar.xz.* >/dev/null 2>&1; then
+  cat "$BUNDLE"/cache/compile_cache.tar.xz.* | xz -d | tar -C / -xf - && say "compile caches restored"
+fi
+save_caches() {
+  [ "${SAVE_CACHE:-0}" = 1 ] || return 0
+  local dest=${CACHE_OUT:-$OUT}
+  (cd / && ls -d $COMPILE_CACHES 2>/dev/null | xargs tar -cf - \
+    | taskset -c $(( CORES - 4 ))-$(( CORES - 3 )) xz -T2 -6 | split -b 15M - "$dest/compile_cache.tar.xz.") \
+    && say "compile caches saved: $(du -shc "$dest"/compile_cache.tar.xz.* | tail -1)"
+}
 
 SPID=""
 start_vllm() { # tag, env assignments..., then -- and extra flags
   local tag=$1; shift; local envs=(); while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
   env "${envs[@]}" PYTHONPATH=$VLLM_PATH setsid taskset -c $VLLM_CORES python3 -m vllm.entrypoints.cli.main \
-    serve /tmp/tiny --served-model-name tiny --load-format dummy --dtype bfloat16 --max-model-len 4096 \
+    serve /tmp/tiny --served-model-name tiny "${LOAD[@]}" --dtype bfloat16 --max-model-len 4096 \
     --max-num-seqs ${MAX_SEQS:-128} --gpu-memory-utilization 0.30 --gdn-prefill-backend triton \
     --attention-backend TRITON_ATTN --enable-prompt-tokens-details --disable-uvicorn-access-log \
     --port 8000 --enable-prefix-caching \
@@ -112,14 +154,8 @@ if [ "${PROFILE:-0}" = 1 ] && ! command -v py-spy >/dev/null; then
   python3 -c "import zipfile,glob; zipfile.ZipFile(glob.glob('$BUNDLE/tools/py_spy-*.whl')[0]).extractall('/tmp/pyspy')"
   install -m 755 /tmp/pyspy/py_spy-*.data/scripts/py-spy /usr/local/bin/py-spy
 fi
-cpu_of() { # CPU seconds of a process and its children (workers), from /proc
-  local total=0 p
-  for p in $1 $(cat /proc/$1/task/*/children 2>/dev/null); do
-    total=$(( total + $(awk '{print $14 + $15}' /proc/$p/stat 2>/dev/null || echo 0) ))
-  done
-  echo $total
-}
 start_vllm gateway-bench VLLM_GUARD_FIX_DISABLE=1 -- || exit 6
+save_caches &
 port=9000; GATEWAYS=(); declare -A GPIDS
 for policy in ${POLICIES:-off auto adaptive}; do  # off: the guard off, the relay alone
   first=$(( CORES / 2 + (${#GATEWAYS[@]}) * 2 ))
@@ -136,39 +172,19 @@ for g in "${GATEWAYS[@]}"; do
 done
 say "gateways up: ${GATEWAYS[*]}"
 BENCH_CORES=$(( CORES / 2 + 6 ))-$(( CORES - 1 ))
-bench() { # name url concurrency prompts
-  PYTHONPATH=$SITE taskset -c $BENCH_CORES python3 -m vllm.entrypoints.cli.main bench serve \
-    --backend openai-chat --endpoint /v1/chat/completions --base-url "$2" \
-    --model tiny --tokenizer /tmp/tiny --dataset-name prefix_repetition \
-    --prefix-repetition-prefix-len 512 --prefix-repetition-suffix-len 32 \
-    --prefix-repetition-num-prefixes 4 --prefix-repetition-output-len 32 --ignore-eos \
-    --num-prompts $4 --max-concurrency $3 --temperature 0 --seed 1 \
-    --percentile-metrics ttft,itl,e2el --metric-percentiles 50,99 --disable-tqdm \
-    --save-result --result-dir "$OUT" --result-filename "serve_c$3_$1.json" \
-    > "$OUT/serve_c$3_$1.log" 2>&1 || { say "bench $1 c=$3 failed"; tail -5 "$OUT/serve_c$3_$1.log"; }
-}
-# What the random-weight model writes (the guard judges it as it would a real answer).
+# What the model writes (random or trained weights; the guard judges it as a real answer).
 curl -s http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
   -d '{"model":"tiny","prompt":"Open the settings page and","max_tokens":32,"temperature":0}' \
   > "$OUT/sample.json"
-getconf CLK_TCK > "$OUT/clk_tck.txt"
-LAST_CONC=${CONCS:-8 64}; LAST_CONC=${LAST_CONC##* }
-for conc in ${CONCS:-8 64}; do
-  prompts=$(( conc * ${ROUNDS_PER_CLIENT:-8} ))
-  # The prefixes cached and the kernels warm (CUDA graphs per batch size) for every route.
-  bench warmup http://127.0.0.1:8000 $conc $prompts
-  for route in "direct=http://127.0.0.1:8000" "${GATEWAYS[@]}"; do
-    name=${route%%=*}; pid=${GPIDS[$name]:-}; before=0
-    [ -n "$pid" ] && before=$(cpu_of $pid)
-    if [ "${PROFILE:-0}" = 1 ] && [ "$name" = off ] && [ $conc = "$LAST_CONC" ]; then
-      py-spy record --nonblocking -r 250 -d ${PROFILE_S:-15} -f raw -o "$OUT/profile_off_c$conc.txt" \
-        -p $pid > "$OUT/pyspy.log" 2>&1 &
-    fi
-    bench "$name" "${route#*=}" $conc $prompts
-    [ -n "$pid" ] && echo $(( $(cpu_of $pid) - before )) > "$OUT/cpu_ticks_c${conc}_$name.txt"
-    say "c=$conc $name done"
-  done
-done
+ROUTES=("direct=http://127.0.0.1:8000")
+for g in "${GATEWAYS[@]}"; do ROUTES+=("$g@${GPIDS[${g%%=*}]}"); done
+PYTHONPATH=$SITE taskset -c $BENCH_CORES python3 "$H/bench_routes.py" --out "$OUT" \
+  --concs ${CONCS:-8 64} --rounds ${ROUNDS:-3} --prompts-per-client ${ROUNDS_PER_CLIENT:-8} \
+  $([ "${PROFILE:-0}" = 1 ] && echo --profile off) "${ROUTES[@]}" > "$OUT/bench_routes.log" 2>&1 \
+  || { say "bench_routes failed"; grep -v "nanobind\|leaked" "$OUT/bench_routes.log" | tail -20; }
+grep '^{"conc"' "$OUT/bench_routes.log" | cut -c1-160
+curl -s http://127.0.0.1:8000/metrics | grep -E "^vllm:(spec_decode_num_(accepted|draft)_tokens|prefix_cache_(hits|queries))_total" \
+  > "$OUT/vllm_metrics.txt"  # MTP acceptance, prefix-cache hits over the whole run
 for g in "${GATEWAYS[@]}"; do  # what each gateway judged: verdicts, continuations
   curl -s "${g#*=}/metrics" | grep -E "^vllm_guard_(requests|continuations|retries)_total" \
     > "$OUT/gateway_metrics_${g%%=*}.txt"

@@ -1,0 +1,131 @@
+"""vLLM's own `bench serve`, direct and through each gateway, in one process (run.sh gateway).
+
+    python3 bench_routes.py --out DIR --concs 64 256 --rounds 3 \\
+        direct=http://127.0.0.1:8000 off=http://127.0.0.1:9000@PID ...
+
+Why one process: `vllm bench serve` imports vLLM for ~20 s on the lent machine's CPU
+before its first request, so eight runs as commands cost minutes of device time; its
+`main(args)` is called here once per run instead. Why rounds: one run at c=64 lasts
+2-3 s, and a single run per route left the ratios within their own noise; each round
+runs every route once, in a rotated order, and the report takes the median.
+
+Per concurrency: a warm-up run direct (the prompts' prefixes cached, CUDA graphs of
+every batch size taken), a short one through each gateway (its upstream connections
+and first-request paths), then the measured rounds. Per gateway run: its CPU seconds
+(process and workers, /proc) and, with --profile ROUTE, py-spy's collapsed stacks of
+that gateway during its first measured run of each concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+#: What each run's row keeps of `bench serve`'s result.
+KEPT = (
+    "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms",
+    "output_throughput", "total_output_tokens", "completed", "duration",
+)  # fmt: skip
+
+
+def cpu_ticks(pid: int) -> int:
+    """User + system CPU ticks of a process and its children (uvicorn's workers)."""
+    total = 0
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        children += [int(c) for c in task.read_text().split()]
+    for p in (pid, *children):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total
+
+
+def serve_args(
+    url: str, conc: int, prompts: int, tokenizer: str, extra: list[str]
+) -> argparse.Namespace:
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    return parser.parse_args(
+        [
+            "--backend", "openai-chat", "--endpoint", "/v1/chat/completions",
+            "--base-url", url, "--model", "tiny", "--tokenizer", tokenizer,
+            "--dataset-name", "prefix_repetition",
+            "--prefix-repetition-prefix-len", "512", "--prefix-repetition-suffix-len", "32",
+            "--prefix-repetition-num-prefixes", "4", "--prefix-repetition-output-len", "32",
+            "--ignore-eos", "--num-prompts", str(prompts), "--max-concurrency", str(conc),
+            "--temperature", "0", "--seed", "1",
+            "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,99",
+            "--disable-tqdm", *extra,
+        ]
+    )  # fmt: skip
+
+
+def run(url: str, conc: int, prompts: int, opts: argparse.Namespace) -> dict:
+    return main(serve_args(url, conc, prompts, opts.tokenizer, opts.extra))
+
+
+def main_cli() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "routes", nargs="+", help="name=url, or name=url@pid for a gateway (the first: direct)"
+    )
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--concs", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompts-per-client", type=int, default=8)
+    parser.add_argument("--tokenizer", default="/tmp/tiny")
+    parser.add_argument("--profile", default="", help="route to record with py-spy")
+    parser.add_argument("--extra", nargs="*", default=[], help="more `bench serve` flags")
+    opts = parser.parse_args()
+    opts.out.mkdir(parents=True, exist_ok=True)
+    routes = []
+    for spec in opts.routes:
+        name, rest = spec.split("=", 1)
+        url, _, pid = rest.partition("@")
+        routes.append((name, url, int(pid) if pid else None))
+    summary: list[dict] = []
+    for conc in opts.concs:
+        prompts = conc * opts.prompts_per_client
+        run(routes[0][1], conc, prompts, opts)  # warm-up direct: prefixes cached, graphs taken
+        for _, url, pid in routes:
+            if pid is not None:
+                run(url, conc, max(conc, 8), opts)  # each gateway's connections and first requests
+        for k in range(opts.rounds):
+            order = routes[k % len(routes) :] + routes[: k % len(routes)]
+            for name, url, pid in order:
+                spy = None
+                if pid is not None and name == opts.profile and k == 0:
+                    spy = subprocess.Popen(
+                        ["py-spy", "record", "--nonblocking", "-r", "250", "-d", "60",
+                         "-f", "raw", "-o", str(opts.out / f"profile_{name}_c{conc}.txt"),
+                         "-p", str(pid)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                    )  # fmt: skip
+                before = cpu_ticks(pid) if pid else 0
+                result = run(url, conc, prompts, opts)
+                ticks = cpu_ticks(pid) - before if pid else 0
+                if spy is not None:
+                    spy.send_signal(2)  # SIGINT: py-spy writes what it has
+                    spy.wait(timeout=30)
+                keep = {key: result[key] for key in KEPT if key in result}
+                ttfts = sorted(result.get("ttfts") or [0.0])  # seconds, one per request
+                keep["max_ttft_ms"] = ttfts[-1] * 1000
+                keep["ttfts_over_1s"] = sum(t > 1 for t in ttfts)  # a stalled connect or read
+                row = {"conc": conc, "route": name, "round": k, "cpu_ticks": ticks, **keep}
+                summary.append(row)
+                print(json.dumps(row), flush=True)
+                report = {"clk_tck": os.sysconf("SC_CLK_TCK"), "runs": summary}
+                (opts.out / "routes.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main_cli()
