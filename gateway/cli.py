@@ -120,11 +120,12 @@ def run_uvicorn(settings: Settings, http_protocol: type[asyncio.Protocol] | str)
     import uvicorn
 
     from gateway.observe.logs import log_config
+    from gateway.server import listeners
     from gateway.server.uvicorn_edge import connection_limit
 
     server = settings.server
-    uvicorn.run(
-        "gateway.server.app:create_app",
+    options: dict[str, Any] = dict(
+        app="gateway.server.app:create_app",
         factory=True,
         host=server.host,
         port=server.port,
@@ -137,9 +138,25 @@ def run_uvicorn(settings: Settings, http_protocol: type[asyncio.Protocol] | str)
         access_log=False,
         # uvicorn types it int but waits with asyncio.timeout: a fraction of a second
         # is kept as it is (int() made 0.5 a 0, and 0 "wait forever").
-        timeout_graceful_shutdown=server.shutdown_grace_s,  # type: ignore[arg-type]
+        timeout_graceful_shutdown=server.shutdown_grace_s,
         proxy_headers=False,
     )
+    if server.workers == 1 or not listeners.supported():
+        uvicorn.run(**options)  # one process, or uvicorn's shared socket where no reuseport
+        return
+    # uvicorn.run's own path for workers, but with the port bound for a listener per
+    # worker (gateway.server.listeners: the kernel spreads new connections over them).
+    from uvicorn.supervisors import Multiprocess
+
+    config = uvicorn.Config(**options)
+
+    try:
+        sock = listeners.bind_shared_port(server.host, server.port)
+    except OSError as exc:
+        logging.getLogger("uvicorn.error").error(exc)
+        sys.exit(3)  # uvicorn's STARTUP_FAILURE
+    with contextlib.suppress(KeyboardInterrupt):
+        Multiprocess(config, sockets=[sock]).run()
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from gateway.apis import ADAPTERS, ApiAdapter
 from gateway.config import Settings, settings_from_environment
 from gateway.errors import BadRequest, GatewayError, HeadersTooLarge, NotFound, Unauthorized
 from gateway.observe import logs
+from gateway.server import listeners
 from gateway.server.asgi import (
     JSON_MEDIA_TYPE,
     error_response,
@@ -178,6 +179,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # app pass settings and keep their interpreter as it is.
     serving_process = settings is None
     settings = settings or settings_from_environment()
+    if serving_process:
+        # One of several workers: a listening socket of its own on the port, before
+        # uvicorn listens (gateway.server.listeners); a lone process has nothing to take.
+        listeners.take_own_listener()
 
     def attach(app: FastAPI, runtime: Runtime) -> None:
         assert isinstance(app, GatewayApp)
