@@ -6,7 +6,8 @@ the worker that wakes first for a burst of new connections takes most of them, a
 keep-alive client (a load balancer's pool, vLLM's ``bench serve``) keeps them there:
 two workers took 58 and 6, 60 and 4, 64 and 0 of 64 connections opened at once. The
 second worker then carries a fraction of the streams while the first one's requests
-queue behind each other (BENCHMARKS.md, "The relay at GPU speed").
+queue behind each other (BENCHMARKS.md, "The relay at GPU speed: vLLM rows on the
+H200, and a listener per worker").
 
 Here the parent binds the port with ``SO_REUSEPORT`` and never listens on it (it only
 holds the port, so a worker that restarts can bind it again). Each worker, when it
