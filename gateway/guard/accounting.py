@@ -86,14 +86,19 @@ class Accounting:
             usage.cached_tokens
         )
 
-    def finish(self, trace: Trace, backend: Backend, verdict: str) -> None:
-        """The request's outcome, counted once; its in-flight count given back."""
+    def finish(
+        self, trace: Trace, backend: Backend, verdict: str, *, error: str | None = None
+    ) -> None:
+        """The request's outcome, counted once; its in-flight count given back.
+        ``error``: the error the client is answered with, where the verdict is not one
+        (a degenerate answer refused by ``guard.on_exhausted: error``)."""
         trace.unroute()
         if trace.finished:
             return
         trace.finished = True
         if trace.otel is not None:
-            error = verdict if verdict == "error" else None
+            if error is None and verdict == "error":
+                error = verdict
             trace.otel.end(traced.outcome(trace, backend, verdict), error=error)
         request = trace.request
         stream = "true" if request.stream else "false"

@@ -349,14 +349,18 @@ class Guard:
             await attempt.discard()
             if attempt.stream is not None:
                 self.accounting.count_attempt(attempt, trace)
-            self.accounting.finish(trace, attempt.backend, "degenerate")
-            self.metrics.degenerate_refused.labels(
-                trace.model, attempt.backend.name, kind, trace.request.endpoint
-            ).inc()
-            raise DegenerateResponse(
+            refusal = DegenerateResponse(
                 f"the backend returned a degenerate answer ({kind}) on all "
                 f"{trace.attempts} attempt(s)"
             )
+            # Counted "degenerate"; its span ends as the client's answer does: an error.
+            self.accounting.finish(
+                trace, attempt.backend, "degenerate", error=traced.error_type(refusal)
+            )
+            self.metrics.degenerate_refused.labels(
+                trace.model, attempt.backend.name, kind, trace.request.endpoint
+            ).inc()
+            raise refusal
         if attempt.status != 200 and attempt.asked_logprobs:
             attempt = await self._resent_without_ask(attempt, trace)
         self.metrics.degenerate_delivered.labels(

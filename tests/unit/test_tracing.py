@@ -40,7 +40,7 @@ from test_guard_loop import (
 )
 
 from gateway.config import TracingSettings
-from gateway.errors import NoHealthyBackend
+from gateway.errors import DegenerateResponse, NoHealthyBackend
 from gateway.guard.loop import Guard
 from gateway.observe.otel import OtelTracing, exporter_from_environment
 from gateway.observe.tracing import start_tracing
@@ -578,5 +578,23 @@ def test_keep_retried_exports_the_spans_it_kept_with_their_start_attributes(
             assert attrs(first)["vllm_guard.attempt.cause"] == "first"
             assert attrs(second)["vllm_guard.attempt.cause"] == "retry"
             assert attrs(second)["vllm_guard.backend"] == "b0"
+
+    asyncio.run(scenario())
+
+
+def test_a_degenerate_answer_refused_by_on_exhausted_error_ends_its_span_as_an_error() -> None:
+    """``guard.on_exhausted: error``: every attempt degenerate, the client answered 502
+    ``degenerate_response``; the request span says so (it ended "ok" before)."""
+
+    async def scenario() -> None:
+        script = Script([answers_whole(BANGS), answers_whole(BANGS)])
+        async with guard_with(script, max_attempts=2, on_exhausted="error") as guard:
+            exporter = traced(guard)
+            with pytest.raises(DegenerateResponse):
+                await handle(guard)
+            root, attempts = split(exporter.get_finished_spans())
+            assert len(attempts) == 2
+            assert attrs(root)["error.type"] == "degenerate_response"
+            assert root.status.status_code is StatusCode.ERROR
 
     asyncio.run(scenario())
