@@ -322,6 +322,11 @@ def test_tracing_is_off_by_default_and_on_sets_the_sdks_variables(tmp_path: Path
     assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "grpc"
     assert env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
     assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.1"
+    # Each span's resource names its pod (Kubernetes expands $(VAR) from earlier entries).
+    assert env["K8S_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["OTEL_RESOURCE_ATTRIBUTES"] == (
+        "k8s.pod.name=$(K8S_POD_NAME),k8s.namespace.name=$(K8S_NAMESPACE_NAME)"
+    )
     assert env["OTEL_EXPORTER_OTLP_HEADERS"] == {
         "secretKeyRef": {"name": "otlp-auth", "key": "headers"}
     }

@@ -598,3 +598,16 @@ def test_a_degenerate_answer_refused_by_on_exhausted_error_ends_its_span_as_an_e
             assert root.status.status_code is StatusCode.ERROR
 
     asyncio.run(scenario())
+
+
+def test_spans_carry_the_resource_attributes_the_environment_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The chart names the pod in OTEL_RESOURCE_ATTRIBUTES (the downward API): the SDK's
+    resource, on every span the gateway exports, carries it beside its own service."""
+    monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "k8s.pod.name=guard-7f9c,k8s.namespace.name=llm")
+    tracing = OtelTracing(TracingSettings(enabled=True), InMemorySpanExporter(), batch=False)
+    resource = dict(tracing.provider.resource.attributes)
+    assert resource["k8s.pod.name"] == "guard-7f9c"
+    assert resource["k8s.namespace.name"] == "llm"
+    assert resource["service.name"] == "vllm-guard"
