@@ -141,11 +141,11 @@ def run_uvicorn(settings: Settings, http_protocol: type[asyncio.Protocol] | str)
         timeout_graceful_shutdown=server.shutdown_grace_s,
         proxy_headers=False,
     )
-    if server.workers == 1 or not listeners.supported():
-        uvicorn.run(**options)  # one process, or uvicorn's shared socket where no reuseport
+    if server.workers == 1 or not server.reuse_port or not listeners.supported():
+        uvicorn.run(**options)  # one process, or the workers on uvicorn's shared socket
         return
-    # uvicorn.run's own path for workers, but with the port bound for a listener per
-    # worker (gateway.server.listeners: the kernel spreads new connections over them).
+    # server.reuse_port: uvicorn.run's own path for workers, but with the port bound for
+    # a listener per worker (gateway.server.listeners: the kernel spreads connections).
     from uvicorn.supervisors import Multiprocess
 
     config = uvicorn.Config(**options)

@@ -345,6 +345,13 @@ class ServerSettings(_Strict):
     host: str = "0.0.0.0"
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
     workers: Annotated[int, Field(ge=1, le=64)] = 1
+    #: With workers > 1 (Linux): each worker listens on a socket of its own
+    #: (SO_REUSEPORT) and the kernel spreads new connections evenly, where uvicorn's
+    #: one shared socket lets the first worker to wake take most of a burst (58 of 64).
+    #: The price: a worker whose loop stalls keeps getting its share of new
+    #: connections, and a worker that exits resets the connections still queued for
+    #: it unless net.ipv4.tcp_migrate_req is 1 (docs/deployment.md). Off: uvicorn's.
+    reuse_port: bool = False
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     #: Total size of a request's headers, enforced while they arrive; larger gets 431.
     max_header_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024

@@ -180,8 +180,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     serving_process = settings is None
     settings = settings or settings_from_environment()
     if serving_process:
-        # One of several workers: a listening socket of its own on the port, before
-        # uvicorn listens (gateway.server.listeners); a lone process has nothing to take.
+        # One of several workers with server.reuse_port: a listening socket of its own
+        # on the port, before uvicorn listens (gateway.server.listeners).
         listeners.take_own_listener()
 
     def attach(app: FastAPI, runtime: Runtime) -> None:

@@ -1,22 +1,29 @@
-"""One listening socket per worker, so that the kernel spreads new connections evenly.
+"""One listening socket per worker (``server.reuse_port``), so that the kernel spreads
+new connections evenly over the workers.
 
 With ``server.workers`` > 1, uvicorn binds one socket in its parent process and every
 worker listens on that same socket. libuv (uvloop) accepts until the queue is empty, so
 the worker that wakes first for a burst of new connections takes most of them, and a
 keep-alive client (a load balancer's pool, vLLM's ``bench serve``) keeps them there:
-two workers took 58 and 6, 60 and 4, 64 and 0 of 64 connections opened at once. The
-second worker then carries a fraction of the streams while the first one's requests
-queue behind each other (BENCHMARKS.md, "The relay at GPU speed: vLLM rows on the
-H200, and a listener per worker").
+two workers took 58 and 6, 60 and 4, 64 and 0 of 64 connections opened at once
+(BENCHMARKS.md, "The relay at GPU speed: vLLM rows on the H200, and a listener per
+worker").
 
-Here the parent binds the port with ``SO_REUSEPORT`` and never listens on it (it only
-holds the port, so a worker that restarts can bind it again). Each worker, when it
-loads the app (before uvicorn listens on the inherited socket), binds a socket of its
-own to the same address with ``SO_REUSEPORT`` and puts it in the inherited socket's
-place (``dup2`` onto its descriptor): uvicorn listens on the worker's own socket, and
-the kernel hashes every new connection to one of the workers' sockets. Linux only (the
-kernel's reuseport groups); elsewhere uvicorn's shared socket stays. Another process
-can join the group only under the same user ID (the kernel's rule).
+With ``reuse_port``, the parent binds the port with ``SO_REUSEPORT`` and never listens
+on it (it only holds the port, so a worker that restarts can bind it again). Each
+worker, when it loads the app (before uvicorn listens on the inherited socket), binds a
+socket of its own to the same address with ``SO_REUSEPORT`` and puts it in the
+inherited socket's place (``dup2`` onto its descriptor): uvicorn listens on the
+worker's own socket, and the kernel hashes every new connection to one of them.
+
+What it costs, and why it is not the default: a connection is queued for one worker
+from the moment it arrives. A worker whose event loop stalls keeps receiving its share
+(with the shared socket the others take them), and a worker that exits (a crash, a
+SIGHUP restart) resets the connections still in its queue unless the kernel moves them
+to a sibling (``net.ipv4.tcp_migrate_req = 1``, Linux 5.14; warned about at start).
+Another process can join the port's group only under the same user ID; a second
+gateway started on a port whose workers already listen is refused, as uvicorn's own
+bind would refuse it. Linux only; elsewhere uvicorn's shared socket stays.
 """
 
 from __future__ import annotations
@@ -40,8 +47,15 @@ def supported() -> bool:
 def bind_shared_port(host: str, port: int) -> socket.socket:
     """The parent's socket: bound with ``SO_REUSEPORT``, not listening, inheritable; as
     uvicorn's ``Config.bind_socket`` binds it otherwise (IPv6 where the host has a colon).
-    Tells the workers which port to take over (``PORT_VARIABLE``)."""
+    Tells the workers which port to take over (``PORT_VARIABLE``). Raises OSError
+    (EADDRINUSE) where something already listens on the port, another gateway's
+    workers included: SO_REUSEPORT alone would let this one join their group."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, port))  # without SO_REUSEPORT: refused where anything listens
+        if port == 0:
+            port = probe.getsockname()[1]
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -53,15 +67,30 @@ def bind_shared_port(host: str, port: int) -> socket.socket:
     logging.getLogger("uvicorn.error").info(
         "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", shown, bound
     )
+    if migrating_requests() is False:
+        log.warning(
+            "server.reuse_port: net.ipv4.tcp_migrate_req is 0, so a worker that exits "
+            "(a crash, a restart) resets the connections still queued for it; set it to "
+            "1 where the platform allows (docs/deployment.md)"
+        )
     return sock
+
+
+def migrating_requests() -> bool | None:
+    """Whether the kernel moves a closed listener's queued connections to a sibling of
+    its reuseport group (None: not known, a kernel without the switch)."""
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_migrate_req").read_text().strip() != "0"
+    except OSError:
+        return None
 
 
 def take_own_listener() -> bool:
     """In a worker: replace the socket inherited from the parent (bound to
     ``PORT_VARIABLE``'s port, ``SO_REUSEPORT``, not listening) with one of this
-    worker's own, bound to the same address. False where there is nothing to take over:
-    one worker, uvicorn's own shared socket, or a listener already in place."""
-    port = os.environ.get(PORT_VARIABLE)
+    worker's own, bound to the same address. False where there is nothing to take over
+    (one process, or ``reuse_port`` off: uvicorn's own shared socket)."""
+    port = os.environ.pop(PORT_VARIABLE, None)  # not for anything this worker starts
     if not port or not supported():
         return False
     for fd in inherited_socket_fds():

@@ -3,6 +3,7 @@ socket the parent bound is found among the descriptors and replaced in place."""
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 
@@ -32,6 +33,7 @@ def test_the_inherited_socket_is_replaced_by_one_of_its_own(
     monkeypatch.setenv(listeners.PORT_VARIABLE, str(port))
     try:
         assert listeners.take_own_listener()
+        assert listeners.PORT_VARIABLE not in os.environ  # nothing this worker starts sees it
         assert inode(inherited.fileno()) != before  # the same descriptor, a new socket
         assert inode(other.fileno()) == other_before
         assert inherited.getsockname() == ("127.0.0.1", port)
@@ -72,3 +74,21 @@ def test_the_parents_socket_holds_the_port_without_listening(
             socket.create_connection(("127.0.0.1", port), timeout=5).close()
     finally:
         sock.close()
+
+
+def test_a_port_something_listens_on_is_refused_not_joined(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A listener with SO_REUSEPORT (another gateway's worker) would let a SO_REUSEPORT
+    bind join its group: the parent's plain bind first is refused, as uvicorn's is."""
+    monkeypatch.setenv(listeners.PORT_VARIABLE, "")
+    other = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    try:
+        with pytest.raises(OSError, match="in use") as refused:
+            listeners.bind_shared_port("127.0.0.1", other.getsockname()[1])
+        assert refused.value.errno == errno.EADDRINUSE
+    finally:
+        other.close()
