@@ -106,6 +106,13 @@ def test_kustomize_base_renders_and_validates(tmp_path: Path) -> None:
                  "configmap"):  # fmt: skip
         assert f"passed for resource {kind}/vllm-guard" in output
     assert "passed for resource service/vllm-headless" in output
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    # A span names its pod, when tracing is turned on (the chart's variables alike).
+    assert env["K8S_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["OTEL_RESOURCE_ATTRIBUTES"]["value"] == (
+        "k8s.pod.name=$(K8S_POD_NAME),k8s.namespace.name=$(K8S_NAMESPACE_NAME)"
+    )
 
 
 def test_kustomize_overlay_labels_the_monitoring_objects_for_kube_prometheus_stack() -> None:

@@ -111,11 +111,19 @@ def main_cli() -> None:
                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                     )  # fmt: skip
                 before = cpu_ticks(pid) if pid else 0
-                result = run(url, conc, prompts, opts)
+                try:
+                    result = run(url, conc, prompts, opts)
+                except Exception as exc:  # one route's failure leaves the others' rows
+                    print(json.dumps({"conc": conc, "route": name, "failed": repr(exc)}))
+                    continue
+                finally:
+                    if spy is not None:
+                        spy.send_signal(2)  # SIGINT: py-spy writes what it has
+                        spy.wait(timeout=30)
                 ticks = cpu_ticks(pid) - before if pid else 0
-                if spy is not None:
-                    spy.send_signal(2)  # SIGINT: py-spy writes what it has
-                    spy.wait(timeout=30)
+                if not result.get("completed"):  # every request failed: no figures
+                    print(json.dumps({"conc": conc, "route": name, "failed": "none completed"}))
+                    continue
                 keep = {key: result[key] for key in KEPT if key in result}
                 ttfts = sorted(result.get("ttfts") or [0.0])  # seconds, one per request
                 keep["max_ttft_ms"] = ttfts[-1] * 1000

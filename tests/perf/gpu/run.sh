@@ -23,7 +23,8 @@
 #    4 x 512-token prefixes, 32-token answers, ignore_eos) direct and through a gateway
 #    per release policy (auto, the default; adaptive), each gateway on cores of its own,
 #    at c=8 and c=64: TTFT, ITL, throughput. CONCS="64 256" POLICIES="off off2" picks the
-#    concurrencies and gateways (off2: the guard off, two workers); each gateway's CPU
+#    concurrencies and gateways (off2: the guard off, two workers; off2rp: the same with
+#    server.reuse_port); tests/perf/gpu/bench_routes.py runs them; each gateway's CPU
 #    seconds per run from /proc; PROFILE=1 records the "off" gateway with py-spy (its wheel
 #    in .gpu/tools/) during each concurrency's run: a collapsed-stack file per concurrency.
 # 3. tests/perf/bench_event_rate.py on this machine's CPUs (no GPU, no vLLM): the same
@@ -162,9 +163,11 @@ port=9000; GATEWAYS=(); declare -A GPIDS
 for policy in ${POLICIES:-off auto adaptive}; do  # off: the guard off, the relay alone
   first=$(( CORES / 2 + (${#GATEWAYS[@]}) * 2 ))
   workers=1; guard="{stream: {release: $policy}}"
-  case $policy in off) guard="{mode: \"off\"}";; off2) guard="{mode: \"off\"}"; workers=2;; esac
-  printf 'upstream:\n  backends: [{name: vllm, url: "http://127.0.0.1:8000"}]\nguard: %s\nserver: {workers: %s}\n' \
-    "$guard" $workers > "$OUT/gateway_$policy.yaml"
+  reuse=false  # off2rp: two workers, a listening socket each (server.reuse_port)
+  case $policy in off) guard="{mode: \"off\"}";; off2) guard="{mode: \"off\"}"; workers=2;;
+    off2rp) guard="{mode: \"off\"}"; workers=2; reuse=true;; esac
+  printf 'upstream:\n  backends: [{name: vllm, url: "http://127.0.0.1:8000"}]\nguard: %s\nserver: {workers: %s, reuse_port: %s}\n' \
+    "$guard" $workers $reuse > "$OUT/gateway_$policy.yaml"
   PYTHONPATH=$GATEWAY_PATH taskset -c $first-$(( first + 1 )) python3 -m gateway.cli serve \
     --config "$OUT/gateway_$policy.yaml" --host 127.0.0.1 --port $port > "$OUT/gateway_$policy.log" 2>&1 &
   GATEWAYS+=("$policy=http://127.0.0.1:$port"); GPIDS[$policy]=$!; port=$((port + 1))
