@@ -200,9 +200,13 @@ class ApiAdapter(ABC):
         null one (``gateway.detect.logprobs``)."""
         return False
 
-    def logprobs_ask(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+    def logprobs_ask(
+        self, body: Mapping[str, Any], *, backend_keeps_answers: bool | None = None
+    ) -> dict[str, Any] | None:
         """The fields that ask for the sampled tokens' logprobs, for a request that
-        does not ask already (None: it does, or this API has none)."""
+        does not ask already (None: it does, or this API has none).
+        ``backend_keeps_answers``: whether the backend stores answers (the Responses
+        store; None: not known)."""
         return None
 
     def strip_logprobs(self, raw: bytes) -> bytes:

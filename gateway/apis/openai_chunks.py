@@ -263,7 +263,9 @@ class ChatCompletions(_OpenAIChoices):
     def asks_logprobs(self, body: Mapping[str, Any]) -> bool:
         return body.get("logprobs") is True
 
-    def logprobs_ask(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+    def logprobs_ask(
+        self, body: Mapping[str, Any], *, backend_keeps_answers: bool | None = None
+    ) -> dict[str, Any] | None:
         """``top_logprobs: 0``: the sampled token's alone. Not where the client sent
         ``top_logprobs`` itself (without ``logprobs`` that is vLLM's 400 to give)."""
         if self.asks_logprobs(body) or body.get("top_logprobs") is not None:
@@ -312,7 +314,9 @@ class TextCompletions(_OpenAIChoices):
         logprobs = body.get("logprobs")
         return isinstance(logprobs, int) and not isinstance(logprobs, bool) and logprobs >= 0
 
-    def logprobs_ask(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+    def logprobs_ask(
+        self, body: Mapping[str, Any], *, backend_keeps_answers: bool | None = None
+    ) -> dict[str, Any] | None:
         return None if body.get("logprobs") is not None else {"logprobs": 0}
 
     def echoes_prompt(self, body: Mapping[str, Any]) -> bool:

@@ -308,15 +308,18 @@ class Responses(ApiAdapter):
         include = body.get("include")
         return isinstance(include, list) and OUTPUT_LOGPROBS in include
 
-    def logprobs_ask(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+    def logprobs_ask(
+        self, body: Mapping[str, Any], *, backend_keeps_answers: bool | None = None
+    ) -> dict[str, Any] | None:
         """The include, with ``top_logprobs: 0`` (vLLM acts on a client's own
         ``top_logprobs`` only with the include: a value over its ``--max-logprobs``
-        would become a 400). Only for an answer vLLM does not store (``store:
-        false``): a stored one would keep the logprobs, and a GET return them."""
+        would become a 400). Only for an answer vLLM does not store: a stored one
+        would keep the logprobs, and a GET return them. Not stored: ``store: false``,
+        or a backend known to keep no answers (vLLM without
+        VLLM_ENABLE_RESPONSES_API_STORE drops ``store: true`` silently)."""
         include = body.get("include")
-        if body.get("store") is not False or (
-            include is not None and not isinstance(include, list)
-        ):
+        stored = body.get("store") is not False and backend_keeps_answers is not False
+        if stored or (include is not None and not isinstance(include, list)):
             return None
         if include is not None and OUTPUT_LOGPROBS in include:
             return None

@@ -494,7 +494,7 @@ class Guard:
             or not self.holding.detector_for(request.model).settings.nan_logits
         ):
             return None
-        return request.api.logprobs_ask(request.body)
+        return request.api.logprobs_ask(request.body, backend_keeps_answers=backend.keeps_responses)
 
     # -- releasing to the client ----------------------------------------------------
 

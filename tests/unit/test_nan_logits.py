@@ -19,6 +19,7 @@ import orjson
 import pytest
 from aiohttp import web
 from multidict import CIMultiDict
+from test_apis import message_item, response_body
 from test_guard_loop import Script, answers_stream, content_of, guard_with, metric, relayed
 
 from gateway.config import DetectorSettings
@@ -331,4 +332,34 @@ def test_the_responses_ask_sets_its_own_top_logprobs_and_skips_stored_answers() 
         "include": ["message.output_text.logprobs"], "top_logprobs": 0,
     }  # fmt: skip
     assert responses.api.logprobs_ask({"input": "go"}) is None  # stored by default
+    # ...unless the backend keeps no answers: vLLM drops store: true, so it is asked.
+    asked = responses.api.logprobs_ask({"input": "go"}, backend_keeps_answers=False)
+    assert asked == {"include": ["message.output_text.logprobs"], "top_logprobs": 0}
+    assert responses.api.logprobs_ask({"input": "go"}, backend_keeps_answers=None) is None
+    assert responses.api.logprobs_ask({"input": "go"}, backend_keeps_answers=True) is None
     assert responses.api.logprobs_ask({"input": "go", "store": False, "include": "x"}) is None
+
+
+@pytest.mark.parametrize("keeps", [False, None])
+def test_a_backend_that_keeps_no_responses_is_asked_for_their_logprobs(keeps: bool | None) -> None:
+    """A Responses request with the default ``store`` is asked for its logprobs where
+    the backend keeps no answers (vLLM without VLLM_ENABLE_RESPONSES_API_STORE drops
+    ``store: true``): its NaN 400 is the bug, retried. Where that is not known, it is
+    not asked (a stored answer would keep them), and the 400 is vLLM's own."""
+
+    async def scenario() -> None:
+        clean = response_body([message_item("Open the settings page.")])
+        script = Script([answers_json(400, NAN_400), answers_json(200, clean)])
+        backend = {**ASK, "keeps_responses": keeps}
+        async with guard_with(script, backend=backend) as guard:
+            request = parse_guarded("responses", b'{"model":"m","input":"Open the settings"}')
+            answer = await handled(guard, request)
+            asked = script.received[0].get("include")
+            if keeps is False:
+                assert asked == ["message.output_text.logprobs"]
+                assert (answer.status, len(script.received)) == (200, 2)
+            else:
+                assert asked is None
+                assert (answer.status, len(script.received)) == (400, 1)
+
+    asyncio.run(scenario())
