@@ -81,6 +81,14 @@ ATTEMPTS_HEADER_RAW = ATTEMPTS_HEADER.encode()
 VERDICT_HEADER_RAW = VERDICT_HEADER.encode()
 
 
+def refused_the_ask(attempt: Attempt) -> bool:
+    """A client error (4xx) to an attempt that carried the gateway's own logprobs ask
+    and is not the NaN refusal: the ask may be what vLLM refused (no logprobs for
+    gpt-oss models on Responses), which the client never sent. Its request goes once
+    more without it, and the client gets what vLLM answers the request it sent."""
+    return attempt.asked_logprobs and 400 <= attempt.status < 500
+
+
 class Guard:
     def __init__(
         self,
@@ -164,6 +172,9 @@ class Guard:
                 self._settle(
                     trace, recovered=attempt.status == 200 and not attempt.verdict.degenerate
                 )
+                if not attempt.verdict.degenerate and refused_the_ask(attempt):
+                    trace.ask_refused = True  # not asked again for this request
+                    attempt = await self._resent_without_ask(attempt, trace)
                 if not attempt.verdict.degenerate:  # an answer, or an error that is not one
                     return self._release(attempt, trace)
                 if not self._degenerate_attempt(attempt, trace, headers):
@@ -369,16 +380,17 @@ class Guard:
         return self._release(attempt, trace)
 
     async def _resent_without_ask(self, attempt: Attempt, trace: Trace) -> Attempt:
-        """vLLM's 400 for a NaN it could not write answers the gateway's own logprobs
-        ask: a degenerate answer that is delivered is what vLLM answers the client's
-        request as it was sent (once more, to the same backend, on the same salt)."""
+        """The client's request as it was sent, once more, to the same backend, on the
+        same salt, without the gateway's own logprobs ask: where vLLM answered the ask
+        with a 400 for a NaN it could not write and the degenerate answer is to be
+        delivered, or refused the ask itself (``refused_the_ask``)."""
         assert trace.upstream_headers is not None
         trace.attempts += 1
         resent = await self._attempt(
             trace.request, attempt.backend, attempt.salt, trace.upstream_headers, trace,
             ask_logprobs=False, cause="resend",
         )  # fmt: skip
-        if resent.status == 200:
+        if resent.status == 200 and attempt.verdict.degenerate:
             resent.verdict = attempt.verdict  # the NaN the 400 said, whatever the text
         return resent
 
@@ -488,6 +500,7 @@ class Guard:
         answers a NaN it cannot write with a 400 instead of the degenerate text."""
         if (
             not backend.settings.ask_logprobs
+            or trace.ask_refused
             or not trace.inspecting
             or self.mode is not GuardMode.ENFORCE
             or request.echoes_prompt
@@ -585,15 +598,15 @@ class Guard:
         try:
             return await self._relay_events(relayed, trace, tail, inspect, send, write_now)
         except GatewayError as exc:
-            relayed.verdict = "error"
+            relayed.verdict, relayed.error = "error", traced.error_type(exc)
             return relayed.last + self._error_end(relayed, tail, exc)
         except asyncio.CancelledError:
             if trace.client_gone:
                 raise  # counted as a disconnect; the verdict stands for what was sent
             # The shutdown grace ran out: end the stream in-band where the connection
             # still takes it, then let the cancellation go on.
-            relayed.verdict = "error"
             shutting_down = ShuttingDown("the gateway is shutting down")
+            relayed.verdict, relayed.error = "error", traced.error_type(shutting_down)
             await send(relayed.last + self._error_end(relayed, tail, shutting_down))
             raise
         finally:
@@ -639,6 +652,7 @@ class Guard:
                 relayed.verdict = "degenerate"
                 cut = self._after_release(relayed.segment, trace, kind, ended=ended)
                 if cut is not None:
+                    relayed.error = DegenerateResponse.code  # the stream ends in-band so
                     return cut
             if tail is not None and (ended or not relayed.clean):
                 tail.continuable = False  # from here on relayed as it comes
@@ -699,7 +713,7 @@ class Guard:
                 # salt that recovered it, not in the poisoned cache.
                 self.salting.remember(segment, trace)
         self._settle(trace, recovered=None if trace.client_gone else verdict == "recovered")
-        self.accounting.finish(trace, segment.backend, verdict)
+        self.accounting.finish(trace, segment.backend, verdict, error=relayed.error)
 
     def _count_late(self, attempt: Attempt, trace: Trace, kind: DegenerateKind) -> None:
         """A released stream degenerated: counted and captured."""
@@ -772,6 +786,8 @@ class _Relayed:
     splice: EventSplice | None = None
     #: The stream's last bytes, to leave with the end of the body.
     last: bytes = b""
+    #: The error the client's stream ended with, in-band (its ``error.type``).
+    error: str | None = None
 
     @property
     def state(self) -> StreamState:

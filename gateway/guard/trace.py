@@ -27,6 +27,9 @@ class Trace:
     conversation_known: bool
     upstream_s: float = 0.0
     attempts: int = 0
+    #: The backend answered the gateway's own logprobs ask with a client error: the
+    #: request's later attempts go without it (``loop.refused_the_ask``).
+    ask_refused: bool = False
     degenerate_seen: bool = False
     client_gone: bool = False
     #: Who asked (API-key digest or address): the budget's fair-share key.

@@ -22,8 +22,9 @@ from the moment it arrives. A worker whose event loop stalls keeps receiving its
 SIGHUP restart) resets the connections still in its queue unless the kernel moves them
 to a sibling (``net.ipv4.tcp_migrate_req = 1``, Linux 5.14; warned about at start).
 Another process can join the port's group only under the same user ID; a second
-gateway started on a port whose workers already listen is refused, as uvicorn's own
-bind would refuse it. Linux only; elsewhere uvicorn's shared socket stays.
+gateway started on a port another gateway holds is refused (also before the first
+one's workers listen), as uvicorn's own bind would refuse it. Linux only; elsewhere
+uvicorn's shared socket stays.
 """
 
 from __future__ import annotations
@@ -48,18 +49,20 @@ def bind_shared_port(host: str, port: int) -> socket.socket:
     """The parent's socket: bound with ``SO_REUSEPORT``, not listening, inheritable; as
     uvicorn's ``Config.bind_socket`` binds it otherwise (IPv6 where the host has a colon).
     Tells the workers which port to take over (``PORT_VARIABLE``). Raises OSError
-    (EADDRINUSE) where something already listens on the port, another gateway's
-    workers included: SO_REUSEPORT alone would let this one join their group."""
+    (EADDRINUSE) where something already listens on the port or another gateway holds
+    it for its workers: SO_REUSEPORT alone would let this one join their group."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind((host, port))  # without SO_REUSEPORT: refused where anything listens
-        if port == 0:
-            port = probe.getsockname()[1]
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+        port = probe.getsockname()[1]  # port 0: the one chosen, held until bound below
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    # Bound, SO_REUSEADDR off: a second gateway's probe is refused now, before any
+    # worker listens too (the workers' own sockets still join through SO_REUSEPORT).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
     sock.set_inheritable(True)
     bound = sock.getsockname()[1]
     os.environ[PORT_VARIABLE] = str(bound)

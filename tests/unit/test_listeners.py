@@ -92,3 +92,22 @@ def test_a_port_something_listens_on_is_refused_not_joined(
         assert refused.value.errno == errno.EADDRINUSE
     finally:
         other.close()
+
+
+def test_a_port_another_gateway_holds_for_its_workers_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before the first gateway's workers listen (its start, or all of them down), only
+    its parent's socket holds the port: a second gateway is refused then too."""
+    monkeypatch.setenv(listeners.PORT_VARIABLE, "")
+    first = listeners.bind_shared_port("127.0.0.1", 0)
+    try:
+        with pytest.raises(OSError, match="in use") as refused:
+            listeners.bind_shared_port("127.0.0.1", first.getsockname()[1])
+        assert refused.value.errno == errno.EADDRINUSE
+        own = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # a worker still binds
+        own.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        own.bind(first.getsockname())
+        own.close()
+    finally:
+        first.close()

@@ -363,3 +363,32 @@ def test_a_backend_that_keeps_no_responses_is_asked_for_their_logprobs(keeps: bo
                 assert (answer.status, len(script.received)) == (400, 1)
 
     asyncio.run(scenario())
+
+
+def test_a_backend_that_refuses_the_ask_answers_the_request_the_client_sent() -> None:
+    """vLLM refuses the logprobs include for some models (gpt-oss on Responses: a 400
+    "logprobs are not supported"). That 400 answers the gateway's own ask, which the
+    client never sent: the request goes once more without it, and later attempts
+    (here a retry of the degenerate answer) are not asked again."""
+
+    refusal = {"error": {"message": "logprobs are not supported with gpt-oss models",
+                         "type": "BadRequestError", "param": "logprobs", "code": 400}}  # fmt: skip
+    clean = response_body([message_item("Open the settings page.")])
+
+    async def scenario() -> None:
+        script = Script([
+            answers_json(400, refusal),
+            answers_json(200, response_body([message_item("!" * 24)])),
+            answers_json(200, clean),
+        ])  # fmt: skip
+        backend = {**ASK, "keeps_responses": False}
+        async with guard_with(script, backend=backend) as guard:
+            request = parse_guarded("responses", b'{"model":"m","input":"Open the settings"}')
+            answer = await handled(guard, request)
+            assert answer.status == 200
+            assert [r.get("include") for r in script.received] == [
+                ["message.output_text.logprobs"], None, None,
+            ]  # fmt: skip
+            assert b"Open the settings page." in answer.body
+
+    asyncio.run(scenario())

@@ -611,3 +611,21 @@ def test_spans_carry_the_resource_attributes_the_environment_names(
     assert resource["k8s.pod.name"] == "guard-7f9c"
     assert resource["k8s.namespace.name"] == "llm"
     assert resource["service.name"] == "vllm-guard"
+
+
+def test_a_stream_cut_in_band_after_release_ends_its_span_as_an_error() -> None:
+    """``after_release: cut``: the client's stream ends with an in-band
+    ``degenerate_response`` error; the request span says so (it ended unset)."""
+
+    async def scenario() -> None:
+        script = Script([answers_stream(stream_of(CLEAN_TEXT, *["!!!!"] * 20))])
+        cut = {"after_release": "cut", "release": "first_token"}
+        async with guard_with(script, stream=cut) as guard:
+            exporter = traced(guard)
+            body = await relayed(await handle(guard, stream=True))
+            assert b'"code":"degenerate_response"' in body
+            root, _ = split(exporter.get_finished_spans())
+            assert attrs(root)["error.type"] == "degenerate_response"
+            assert root.status.status_code is StatusCode.ERROR
+
+    asyncio.run(scenario())

@@ -19,6 +19,7 @@ that gateway during its first measured run of each concurrency.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -114,15 +115,18 @@ def main_cli() -> None:
                 try:
                     result = run(url, conc, prompts, opts)
                 except Exception as exc:  # one route's failure leaves the others' rows
-                    print(json.dumps({"conc": conc, "route": name, "failed": repr(exc)}))
+                    summary.append({"conc": conc, "route": name, "failed": repr(exc)})
+                    print(json.dumps(summary[-1]), flush=True)
                     continue
                 finally:
                     if spy is not None:
                         spy.send_signal(2)  # SIGINT: py-spy writes what it has
-                        spy.wait(timeout=30)
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            spy.wait(timeout=30)
                 ticks = cpu_ticks(pid) - before if pid else 0
                 if not result.get("completed"):  # every request failed: no figures
-                    print(json.dumps({"conc": conc, "route": name, "failed": "none completed"}))
+                    summary.append({"conc": conc, "route": name, "failed": "none completed"})
+                    print(json.dumps(summary[-1]), flush=True)
                     continue
                 keep = {key: result[key] for key in KEPT if key in result}
                 ttfts = sorted(result.get("ttfts") or [0.0])  # seconds, one per request

@@ -59,20 +59,23 @@ def gateway(out: Path) -> None:
     clk = float(report["clk_tck"])
     runs: dict[tuple[int, str], list[dict[str, float]]] = {}
     for row in report["runs"]:
+        if "failed" in row:  # said, not averaged
+            print(f"c={row['conc']} {row['route']}: failed ({row['failed']})")
+            continue
         runs.setdefault((row["conc"], row["route"]), []).append(row)
 
     def median(conc: int, route: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[(conc, route)])
 
     print(
-        "| c | route | TTFT p50 / p99 ms | ITL p50 / p99 ms | E2E p50 ms | output tok/s "
+        "| c | route (rounds) | TTFT p50 / p99 ms | ITL p50 / p99 ms | E2E p50 ms | output tok/s "
         "| vs direct: TTFT p50, ITL p50, tok/s | gateway CPU per output token |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for conc, route in runs:
         m = {key: median(conc, route, key) for key in runs[(conc, route)][0] if key != "route"}
         ratios = cpu = "-"
-        if route != "direct":
+        if route != "direct" and (conc, "direct") in runs:
             ratios = ", ".join(
                 f"{m[key] / median(conc, 'direct', key):.2f}x"
                 for key in ("median_ttft_ms", "median_itl_ms", "output_throughput")
@@ -81,7 +84,8 @@ def gateway(out: Path) -> None:
             ticks = sum(r["cpu_ticks"] for r in runs[(conc, route)])
             cpu = f"{ticks / clk / tokens * 1e6:.0f} µs"
         print(
-            f"| {conc} | {route} | {m['median_ttft_ms']:.1f} / {m['p99_ttft_ms']:.1f} "
+            f"| {conc} | {route} ({len(runs[(conc, route)])}) "
+            f"| {m['median_ttft_ms']:.1f} / {m['p99_ttft_ms']:.1f} "
             f"| {m['median_itl_ms']:.2f} / {m['p99_itl_ms']:.2f} | {m['median_e2el_ms']:.0f} "
             f"| {m['output_throughput']:.0f} | {ratios} | {cpu} |"
         )

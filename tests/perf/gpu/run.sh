@@ -160,7 +160,9 @@ fi
 start_vllm gateway-bench VLLM_GUARD_FIX_DISABLE=1 -- || exit 6
 save_caches &
 port=9000; GATEWAYS=(); declare -A GPIDS
-for policy in ${POLICIES:-off auto adaptive}; do  # off: the guard off, the relay alone
+POLICY_LIST=(${POLICIES:-off auto adaptive})  # two cores each, from the middle core up
+[ ${#POLICY_LIST[@]} -le 3 ] || { say "at most 3 POLICIES: the client runs on the cores after"; exit 8; }
+for policy in "${POLICY_LIST[@]}"; do  # off: the guard off, the relay alone
   first=$(( CORES / 2 + (${#GATEWAYS[@]}) * 2 ))
   workers=1; guard="{stream: {release: $policy}}"
   reuse=false  # off2rp: two workers, a listening socket each (server.reuse_port)
