@@ -185,11 +185,8 @@ class Guard:
                 if trace.otel is not None:
                     trace.otel.end_attempt()
                 cause = "retry"
-                self.metrics.retries.labels(trace.model, backend.name, attempt.verdict.kind).inc()
-                salt = self.salting.retry_salt(trace, failed=attempt.salt)
-                backend = self.pool.choose_retry(
-                    backend, self.settings.guard.retry_target, self.rng, failover=False
-                )
+                assert attempt.verdict.kind is not None
+                backend, salt = self._retry_route(trace, attempt, attempt.verdict.kind)
         except GatewayError:
             self._abandon(trace, backend, recovered=False)
             raise
@@ -343,6 +340,18 @@ class Guard:
             return True
         self.metrics.retries_refused.labels(trace.model, backend.name, refusal).inc()
         return False
+
+    def _retry_route(
+        self, trace: Trace, failed: Attempt, kind: DegenerateKind
+    ) -> tuple[Backend, str]:
+        """After ``failed`` turned ``kind``: the retry counted, and the backend and
+        salt it goes to (a whole retry and a continuation alike)."""
+        self.metrics.retries.labels(trace.model, failed.backend.name, kind).inc()
+        salt = self.salting.retry_salt(trace, failed=failed.salt)
+        backend = self.pool.choose_retry(
+            failed.backend, self.settings.guard.retry_target, self.rng, failover=False
+        )
+        return backend, salt
 
     def _settle(self, trace: Trace, *, recovered: bool | None) -> None:
         """The outcome of a granted retry goes back to the budget."""
@@ -812,12 +821,8 @@ class _RequestAttempts:
         self.guard.accounting.count_attempt(attempt, self.trace, degenerate=degenerate)
 
     def next_route(self, failed: Attempt, kind: DegenerateKind) -> tuple[Backend, str]:
-        guard, trace = self.guard, self.trace
-        guard.metrics.retries.labels(trace.model, failed.backend.name, kind).inc()
-        salt = guard.salting.retry_salt(trace, failed=failed.salt)
-        backend = guard.pool.choose_retry(
-            failed.backend, guard.settings.guard.retry_target, guard.rng, failover=False
-        )
+        trace = self.trace
+        backend, salt = self.guard._retry_route(trace, failed, kind)
         trace.attempts += 1
         trace.route(backend)
         return backend, salt
