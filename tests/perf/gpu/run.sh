@@ -39,7 +39,6 @@ BUNDLE=${BUNDLE:-$ROOT/.gpu}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
 export VLLM_USE_FLASHINFER_SAMPLER=0
 TEXT_MODEL=${TEXT_MODEL:-0}
-[ "$TEXT_MODEL" = 0 ] && export TINY_INIT=1 TINY_ALPHA=${TINY_ALPHA:-4.0}
 say() { echo "[+$(( $(date +%s) - T0 ))s] $*"; }
 
 # -- vLLM, the plugin, the gateway's dependencies -------------------------------------------
@@ -79,8 +78,8 @@ if [ "$TEXT_MODEL" != 0 ] && [ "$MODE" != stub ]; then
     python3 "$H/recipe/train_text.py" /tmp/tiny --seconds ${TRAIN_S:-150} --device cuda \
       --no-vllm-check > "$OUT/train_text.log" 2>&1 || { tail -30 "$OUT/train_text.log"; \
       [ "${TEXT_FALLBACK:-0}" = 1 ] || exit 7; say "training failed: random weights"; TEXT_MODEL=0; }
-    grep -E "^(trained|final loss|sample|  )" "$OUT/train_text.log"
-    say "trained"
+    [ "$TEXT_MODEL" != 0 ] && grep -E "^(trained|final loss|sample|  )" "$OUT/train_text.log" \
+      && say "trained"
   fi
   if [ "${TEXT_CHECK:-0}" = 1 ]; then  # vLLM's loaders, from $SITE where the bundle is used
     PYTHONPATH=$SITE python3 "$H/recipe/train_text.py" /tmp/tiny --check >> "$OUT/train_text.log" 2>&1 \
@@ -90,6 +89,7 @@ if [ "$TEXT_MODEL" != 0 ] && [ "$MODE" != stub ]; then
   cp /tmp/tiny/train_text.json "$OUT/" 2>/dev/null
   [ "$TEXT_MODEL" != 0 ] && LOAD=(--load-format safetensors)
 fi
+# Random weights (no text model, or its training failed): tinyinit.py's, not vLLM's flat ones.
 [ "$TEXT_MODEL" = 0 ] && export TINY_INIT=1 TINY_ALPHA=${TINY_ALPHA:-4.0}
 CORES=$(nproc); VLLM_CORES=0-$(( CORES / 2 - 1 ))
 
@@ -141,11 +141,12 @@ if [ "$MODE" = plugin ]; then
   exit 0
 fi
 
+# PROFILE=1 (stub and gateway modes): py-spy from its wheel in the bundle.
+if [ "${PROFILE:-0}" = 1 ] && ! command -v py-spy >/dev/null; then
+  python3 -c "import zipfile,glob; zipfile.ZipFile(glob.glob('$BUNDLE/tools/py_spy-*.whl')[0]).extractall('/tmp/pyspy')"
+  install -m 755 /tmp/pyspy/py_spy-*.data/scripts/py-spy /usr/local/bin/py-spy
+fi
 if [ "$MODE" = stub ]; then
-  if [ "${PROFILE:-0}" = 1 ] && ! command -v py-spy >/dev/null; then
-    python3 -c "import zipfile,glob; zipfile.ZipFile(glob.glob('$BUNDLE/tools/py_spy-*.whl')[0]).extractall('/tmp/pyspy')"
-    install -m 755 /tmp/pyspy/py_spy-*.data/scripts/py-spy /usr/local/bin/py-spy
-  fi
   PYTHONPATH=$GATEWAY_PATH python3 "$ROOT/tests/perf/bench_event_rate.py" --rounds ${ROUNDS:-1} \
     --concurrency ${CONCS:-64,128} --proxy-cpus 2-3 --load-cpus 4-15 --peers ${PEERS:-aiohttp,workers2} \
     $([ "${PROFILE:-0}" = 1 ] && echo --profile "$OUT/profile_stub_off.txt")
@@ -153,10 +154,6 @@ if [ "$MODE" = stub ]; then
 fi
 
 # -- 2. the gateway at GPU speed ------------------------------------------------------------
-if [ "${PROFILE:-0}" = 1 ] && ! command -v py-spy >/dev/null; then
-  python3 -c "import zipfile,glob; zipfile.ZipFile(glob.glob('$BUNDLE/tools/py_spy-*.whl')[0]).extractall('/tmp/pyspy')"
-  install -m 755 /tmp/pyspy/py_spy-*.data/scripts/py-spy /usr/local/bin/py-spy
-fi
 start_vllm gateway-bench VLLM_GUARD_FIX_DISABLE=1 -- || exit 6
 save_caches &
 port=9000; GATEWAYS=(); declare -A GPIDS
