@@ -4,6 +4,7 @@ the app's lifespan."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +20,7 @@ from gateway.guard.loop import Guard
 from gateway.observe.evidence import EvidenceStore
 from gateway.observe.metrics import Metrics
 from gateway.observe.tracing import start_tracing, stop_tracing
+from gateway.upstream.eager_send import write_request_bodies_eagerly
 from gateway.upstream.pool import BackendPool
 from gateway.upstream.scrape import BackendScraper
 
@@ -51,6 +53,8 @@ def runtime_lifespan(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if tune:  # the loop is the serving process's own
+            write_request_bodies_eagerly(asyncio.get_running_loop())
         pool = BackendPool(settings.upstream)
         metrics = Metrics(CollectorRegistry(), models=settings.models, backends=pool.names)
         guard_settings = settings.guard
