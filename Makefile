@@ -7,7 +7,7 @@ VLLM_VENV ?= $(HOME)/.cache/vllm-guard/vllm-venv
 CONFIG ?= config/vllm-guard.yaml
 export VLLM_VENV
 
-.PHONY: setup run test lint unit docs vllm prometheus helm actionlint tiny-vllm demo bench bench-apis bench-release bench-families bench-proxy bench-event-rate soak clean
+.PHONY: setup run test lint unit docs vllm prometheus helm actionlint tiny-vllm demo bench bench-apis bench-release bench-families bench-proxy bench-event-rate bench-burst soak clean
 
 $(BIN)/vllm-guard: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,9 @@ bench-families: setup ## recall per signature family after a healthy start (pace
 LITELLM_VENV ?= $(HOME)/.cache/vllm-guard/litellm-venv
 bench-event-rate: setup ## the relay against a stub that steps like a GPU engine (issue 42)
 	$(BIN)/python tests/perf/bench_event_rate.py
+
+bench-burst: setup ## a burst of new requests: when each reaches the backend, direct and through
+	$(BIN)/python tests/perf/bench_burst.py
 
 bench-proxy: setup ## the gateway's own cost vs. nginx and LiteLLM, against a fast stub
 	@command -v nginx >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; }

@@ -2,6 +2,8 @@
 release is continued) vs the ``adaptive`` hold-back.
 
     .venv/bin/python tests/perf/bench_release.py [--quick] [--vllm URL]
+        [--serve-only] [--runs unpoisoned,poisoned] [--tree OTHER_CHECKOUT]
+        [--tokenizer MODEL_DIR]   # that of the model --vllm serves, if not the tiny one
 
 1. Recall before release on the corpus (tests/data/), each output streamed in
    1-8 character pieces (seeded): what each policy has judged when it releases,
@@ -11,19 +13,22 @@ release is continued) vs the ``adaptive`` hold-back.
    hold-back after release (``TailHold``): retried before release, continued
    (the degenerate end was still held), delivered (seen once sent) or missed.
 3. vLLM's own ``bench serve`` (prefix_repetition: 4 prefixes of 512 tokens, 32-token
-   answers, ``ignore_eos``, c=8, temperature 0), direct and through a gateway with
-   each policy, in one run, against the tiny CPU vLLM unpoisoned, poisoned from the
-   first token (``vg_poison_rate``: a poisoned prefix-cache block) and poisoned in
-   the middle (``vg_poison_after``: every unsalted generation turns to ``!`` after 8
-   tokens): median / p99 time to first token, median inter-token latency, the
-   corrupt answers each delivered (empty, or a run of ``!``: what the poisoning
-   produces), and the gateway's continuations and cut streams.
+   answers, ``ignore_eos``, c=8, temperature 0), direct, through a gateway with the
+   guard off (the relay alone) and through one with each policy, in one run, against
+   the tiny CPU vLLM unpoisoned, poisoned from the first token (``vg_poison_rate``: a
+   poisoned prefix-cache block) and poisoned in the middle (``vg_poison_after``: every
+   unsalted generation turns to ``!`` after 8 tokens): median / p99 time to first
+   token, median inter-token latency, the corrupt answers each delivered (empty, or a
+   run of ``!``: what the poisoning produces), and the gateway's continuations and cut
+   streams. ``--vllm`` and ``--tokenizer`` measure another model, e.g. the text-writing
+   one of tests/perf/gpu/recipe/train_text.py served by the CPU vLLM (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -49,6 +54,9 @@ from gateway.detect import DegenerateKind, Detector, StreamInspector  # noqa: E4
 from gateway.guard.release import hold_decision  # noqa: E402
 
 MIN_RELEASE, CEILING = 20, 1024
+#: The core left to the gateways and bench serve's client (vLLM has the others).
+_ALLOWED = sorted(os.sched_getaffinity(0))
+CLIENT_CPUS = ["taskset", "-c", str(_ALLOWED[-1])] if len(_ALLOWED) > 1 else []
 POLICIES = ("adaptive", "first_token")
 #: The gateways bench serve compares with going direct: the default, and adaptive.
 SERVED_POLICIES = ("auto", "adaptive")
@@ -56,6 +64,10 @@ OUTPUT_TOKENS = 32
 HEALTHY_BEFORE_MID_STREAM_POISON = 8
 GENEROUS_BUDGET = {"ratio": 1.0, "min_per_second": 10.0}
 MODEL_DIR = Path("/tmp/vllm-guard-bench/tiny-model")  # the one against_vllm serves
+#: bench serve's shared prefix, in tokens (--prefix-len: shorter where prefill is slow).
+PREFIX_TOKENS = [512]
+#: The tokenizer bench serve reads (--tokenizer: another model's, served with --vllm).
+TOKENIZER = [MODEL_DIR]
 
 
 def released_verdict(
@@ -179,8 +191,9 @@ def bench_serve(url: str, prompts: int, xargs: dict[str, Any], seed: int) -> dic
     command = [
         str(vllm_python()), "-c", BENCH,
         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
-        "--model", MODEL_NAME, "--tokenizer", str(MODEL_DIR),
-        "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
+        "--model", MODEL_NAME, "--tokenizer", str(TOKENIZER[0]),
+        "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(PREFIX_TOKENS[0]),
         "--prefix-repetition-suffix-len", "32", "--prefix-repetition-num-prefixes", "4",
         "--prefix-repetition-output-len", str(OUTPUT_TOKENS), "--ignore-eos",
         "--num-prompts", str(prompts),
@@ -190,14 +203,18 @@ def bench_serve(url: str, prompts: int, xargs: dict[str, Any], seed: int) -> dic
         "--save-result", "--save-detailed", "--result-dir", str(out.parent),
         "--result-filename", out.name,
     ]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, timeout=900)
+    subprocess.run([*CLIENT_CPUS, *command], check=True, capture_output=True, timeout=900)
     result: dict[str, Any] = json.loads(out.read_text())
     return result
 
 
-def serve_section(url: str, prompts: int, rounds: int, poison_rate: float) -> list[str]:
+def serve_section(
+    url: str, prompts: int, rounds: int, poison_rate: float, runs_wanted: str, tree: str
+) -> list[str]:
     """Every route runs the same prompts (one seed per round), in a rotated order each
-    round so that none always meets a warmer prefix cache; medians over rounds."""
+    round so that none always meets a warmer prefix cache; medians over rounds.
+    vLLM runs on all cores but the last (``vllm_cpus``); the gateways and the client
+    share the last, so that neither takes vLLM's core from it on some runs only."""
     gateways = {
         policy: GatewayProcess(
             url,
@@ -206,11 +223,18 @@ def serve_section(url: str, prompts: int, rounds: int, poison_rate: float) -> li
         )
         for policy in SERVED_POLICIES
     }
+    # The relay alone: what the gateway costs before the guard holds anything.
+    gateways["guard off"] = GatewayProcess(url, "release-off", guard={"mode": "off"})
+    if tree:  # another checkout's default, on the same vLLM and rounds
+        other = GatewayProcess(url, "release-tree", guard={"budget": GENEROUS_BUDGET})
+        other.cwd = tree
+        gateways["auto, other tree"] = other
     for gateway in gateways.values():
+        gateway.command = [*CLIENT_CPUS, *gateway.command]
         gateway.__enter__()
     lines = [
-        f"## vllm bench serve: prefix_repetition 4 x 512 tokens, {OUTPUT_TOKENS}-token answers, "
-        f"c=8, {prompts} prompts, median of {rounds} rounds",
+        f"## vllm bench serve: prefix_repetition 4 x {PREFIX_TOKENS[0]} tokens, "
+        f"{OUTPUT_TOKENS}-token answers, c=8, {prompts} prompts, median of {rounds} rounds",
         "",
         "| backend | route | TTFT p50 / p99 ms | ITL p50 ms | E2E p50 ms | corrupt delivered "
         "| continued / cut |",
@@ -226,6 +250,8 @@ def serve_section(url: str, prompts: int, rounds: int, poison_rate: float) -> li
              {"vg_poison_after": HEALTHY_BEFORE_MID_STREAM_POISON}),
         )  # fmt: skip
         for number, (label, xargs) in enumerate(runs):
+            if label.split()[0] not in runs_wanted.split(","):
+                continue
             results: dict[str, list[dict[str, Any]]] = {route: [] for route in targets}
             recoveries: dict[str, list[float]] = {route: [0.0, 0.0] for route in targets}
             for round_ in range(rounds):
@@ -280,14 +306,28 @@ def main() -> None:
     )
     parser.add_argument("--prompts", type=int, default=0, help="per run (default 96; quick 32)")
     parser.add_argument("--rounds", type=int, default=0, help="default 3; quick 1")
+    parser.add_argument(
+        "--runs", default="unpoisoned,poisoned", help="bench serve runs: unpoisoned, poisoned"
+    )
+    parser.add_argument("--serve-only", action="store_true", help="bench serve runs only")
+    parser.add_argument("--tree", default="", help="also this checkout's default gateway")
+    parser.add_argument("--tokenizer", default="", help="the --vllm model's (default: tiny)")
+    parser.add_argument("--prefix-len", type=int, default=512, help="shared prefix, tokens")
     args = parser.parse_args()
+    if args.tokenizer:
+        TOKENIZER[0] = Path(args.tokenizer)
+    PREFIX_TOKENS[0] = args.prefix_len
     prompts = args.prompts or (32 if args.quick else 96)
     rounds = args.rounds or (1 if args.quick else 3)
-    print("\n".join(recall_section(3 if args.quick else 10)), flush=True)
-    print("\n" + "\n".join(after_release_section(3 if args.quick else 10)), flush=True)
-    ensure_model(MODEL_DIR)  # bench serve reads its tokenizer
+    if not args.serve_only:
+        print("\n".join(recall_section(3 if args.quick else 10)), flush=True)
+        print("\n" + "\n".join(after_release_section(3 if args.quick else 10)), flush=True)
+    if not args.tokenizer:
+        ensure_model(MODEL_DIR)  # bench serve reads its tokenizer
     section = against_vllm(
-        args.vllm, "release", lambda url: serve_section(url, prompts, rounds, args.poison_rate)
+        args.vllm,
+        "release",
+        lambda url: serve_section(url, prompts, rounds, args.poison_rate, args.runs, args.tree),
     )
     print("\n" + "\n".join(section))
 
