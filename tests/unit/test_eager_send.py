@@ -158,3 +158,61 @@ def test_a_write_that_has_to_wait_carries_on_in_a_task_and_can_be_cancelled() ->
 
     _on_uvloop(main())
     assert seen == ["first step", "rest", "first step", "cancelled"]
+
+
+def test_a_cancel_before_the_rest_has_started_reaches_the_write_and_what_it_waits_on() -> None:
+    """aiohttp cancels its writer when the response fails in the same step as the
+    send: the write must see the cancellation (it closes the connection) and the
+    drain it waited on must be cancelled, not left to fail unretrieved."""
+    seen: list[str] = []
+
+    async def main() -> tuple[bool, bool]:
+        loop = asyncio.get_running_loop()
+        drained: asyncio.Future[None] = loop.create_future()
+
+        async def write() -> None:
+            try:
+                await drained
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+
+        task = eager_send._started(loop, write())
+        task.cancel()  # before the task has run a step
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return task.cancelled(), drained.cancelled()
+
+    assert _on_uvloop(main()) == (True, True)
+    assert seen == ["cancelled"]
+
+
+def test_the_first_step_runs_in_a_context_of_its_own_that_the_rest_keeps() -> None:
+    var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="unset")
+
+    async def main() -> tuple[str, str]:
+        loop = asyncio.get_running_loop()
+        later: asyncio.Future[None] = loop.create_future()
+
+        async def write() -> str:
+            token = var.set("set in the first step")
+            await later
+            var.reset(token)  # the same context: a copy would refuse the token
+            return var.get()
+
+        task = eager_send._started(loop, write())
+        caller_sees = var.get()
+        later.set_result(None)
+        return caller_sees, await task
+
+    assert _on_uvloop(main()) == ("unset", "unset")
+
+
+def test_a_write_cancelled_in_its_first_step_is_a_cancelled_future_not_the_callers_error() -> None:
+    async def main() -> bool:
+        async def write() -> None:
+            raise asyncio.CancelledError
+
+        return eager_send._started(asyncio.get_running_loop(), write()).cancelled()
+
+    assert _on_uvloop(main()) is True
