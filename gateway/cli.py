@@ -30,6 +30,11 @@ from gateway.config import (
 )
 
 
+def _workers_arg(value: str) -> int | str:
+    """``--workers``: a number, or "auto" (one per usable CPU, resolved in the settings)."""
+    return value if value == "auto" else int(value)
+
+
 def _serve_overrides(args: argparse.Namespace) -> dict[str, Any]:
     server: dict[str, Any] = {}
     for key in ("host", "port", "workers"):
@@ -345,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_parser.add_argument("--host")
     serve_parser.add_argument("--port", type=int)
-    serve_parser.add_argument("--workers", type=int)
+    serve_parser.add_argument("--workers", type=_workers_arg, help='a number, or "auto"')
     serve_parser.set_defaults(func=serve)
 
     hash_parser = commands.add_parser(

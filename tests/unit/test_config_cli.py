@@ -386,3 +386,43 @@ def test_a_trusted_proxy_names_the_client_for_the_fair_share() -> None:
         client_identity(scope("10.1.2.3", "198.51.100.7"), by_key=False, proxies=nobody)
         == "addr:10.1.2.3"
     )
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"cpu.max": "200000 100000\n"}, 2),  # cgroup v2, a limit of 2 CPUs
+        ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: rounded up
+        ({"cpu.max": "50000 100000\n"}, 1),  # half a CPU: one worker
+        ({"cpu.max": "max 100000\n"}, 8),  # no limit: the affinity
+        ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 3),  # v1
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, 8),  # v1, none
+        ({"cpu.max": "6400000 100000\n"}, 8),  # a limit above the affinity: the affinity
+        ({}, 8),  # no cgroup files at all
+    ],
+)
+def test_workers_auto_counts_the_cpus_of_the_affinity_and_the_cgroup_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, str], expected: int
+) -> None:
+    from gateway.config import usable_cpus
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert usable_cpus(tmp_path) == expected
+
+
+def test_workers_auto_in_a_file_and_on_the_command_line_is_this_machines_cpus(
+    tmp_path: Path,
+) -> None:
+    from gateway.cli import _serve_overrides, build_parser
+    from gateway.config import usable_cpus
+
+    config = tmp_path / "c.yaml"
+    config.write_text("server: {workers: auto}\n")
+    assert load_settings(config).server.workers == usable_cpus() >= 1
+    args = build_parser().parse_args(["serve", "--workers", "auto"])
+    assert load_settings(None, _serve_overrides(args)).server.workers == usable_cpus()
+    with pytest.raises(ConfigError):
+        load_settings(None, {"server": {"workers": "many"}})
