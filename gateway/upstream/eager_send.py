@@ -9,9 +9,11 @@ requests reaches the gateway (``vllm bench serve``'s streams end in one engine s
 so the next c arrive together), uvicorn queues a task for each, and no request is
 written to vLLM until every one of them has been set up: the first waits as long as
 the last. ``write_request_bodies_eagerly`` gives 3.11 what 3.12 does: a task factory
-that runs that one coroutine's first step at once, in the caller's step, and hands
-the rest (if it had to wait, e.g. for a full socket buffer) to an ordinary task.
-Figures: BENCHMARKS.md, "Requests that leave when they are made".
+that runs that one coroutine's first step at once, in the caller's step (in a context
+of its own, as an eager task's), and hands the rest (if it had to wait, e.g. for a
+full socket buffer) to an ordinary task. The price is a few percent of CPU per request
+where the gateway is saturated (writes no longer leave in one batch at the end of a
+loop pass); figures: BENCHMARKS.md, "Requests that leave when they are made".
 
 The coroutine is recognised by aiohttp's code object: an aiohttp internal, touched
 here only, behind a version check; where the check fails, or aiohttp has no such
