@@ -373,9 +373,10 @@ class ServerSettings(_Strict):
     port: Annotated[int, Field(ge=0, le=65535)] = 8080
     #: Serving processes, or "auto": one per CPU this process may use (its CPU
     #: affinity, and its cgroup's CPU limit rounded up: a container limited to 2 CPUs
-    #: runs 2; with no limit, every core of the host). One worker carries about 5,000 streamed tokens a second within 2% of
-    #: direct (docs/deployment.md); a burst of new requests is set up one after another
-    #: in a worker, so more workers also shorten the queue of a burst.
+    #: runs 2; with no limit, every core of the host). One worker carries about 5,000
+    #: streamed tokens a second within 2% of direct (docs/deployment.md); a burst of
+    #: new requests is set up one after another in a worker, so more workers also
+    #: shorten the queue of a burst.
     workers: Annotated[int, Field(ge=1, le=64)] = 1
     #: With workers > 1 (Linux): each worker listens on a socket of its own
     #: (SO_REUSEPORT) and the kernel spreads new connections evenly, where uvicorn's
