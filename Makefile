@@ -88,7 +88,7 @@ bench-event-rate: setup ## the relay against a stub that steps like a GPU engine
 	$(BIN)/python tests/perf/bench_event_rate.py
 
 bench-burst: setup ## a burst of new requests: when each reaches the backend, direct and through
-	$(BIN)/python tests/perf/bench_burst.py
+	taskset -c 0 $(BIN)/python tests/perf/bench_burst.py  # the client beside the stub
 
 bench-proxy: setup ## the gateway's own cost vs. nginx and LiteLLM, against a fast stub
 	@command -v nginx >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null; }

@@ -1,6 +1,6 @@
 """A burst of new requests: when does each reach the backend, direct and through a proxy?
 
-    make bench-burst   # or: .venv/bin/python tests/perf/bench_burst.py
+    make bench-burst   # or: taskset -c 0 .venv/bin/python tests/perf/bench_burst.py
                        #       [--requests 64] [--bursts 12] [--rounds 2]
                        #       [--peers tree=/path/to/another/checkout]
 
@@ -16,7 +16,9 @@ The stub (aiohttp) records when each request's body has arrived; the client open
 burst at a time, and reads each answer (two events). Per burst: when the first,
 the median and the last request arrived, counted from the moment the client began
 sending; medians over bursts. The proxy runs alone on core 1, the stub and the client
-on core 0, the same for every route; routes interleave, ``--rounds`` times.
+on core 0 (bench_event_rate's ``CPUS``; the client is this process: ``make bench-burst``
+starts it under ``taskset -c 0``), the same for every route; routes interleave,
+``--rounds`` times.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "perf"))
 sys.path.insert(0, str(ROOT))
 
+from bench_event_rate import CPUS, pinned  # noqa: E402
 from bench_gateway import ARTIFACTS, GatewayProcess, ServiceProcess  # noqa: E402
 from bench_proxy import aiohttp_peer  # noqa: E402
 
@@ -72,8 +75,6 @@ app.router.add_get("/health", health)
 web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, access_log=None,
             backlog=4096)
 """
-
-PROXY_CPUS, LOAD_CPUS = "1", "0"
 
 
 async def bursts(url: str, stub_url: str, requests: int, count: int) -> list[list[float]]:
@@ -124,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    stub = subprocess.Popen(["taskset", "-c", LOAD_CPUS, sys.executable, "-c", STUB, str(port)])
+    stub = subprocess.Popen(["taskset", "-c", CPUS["load"], sys.executable, "-c", STUB, str(port)])
     stub_url = f"http://127.0.0.1:{port}"
     wait_http(stub_url + "/health", 30, stub)
     proxies: dict[str, ServiceProcess] = {
@@ -143,8 +144,7 @@ def main() -> None:
     started: list[ServiceProcess] = []
     try:
         for proxy in proxies.values():
-            proxy.command = ["taskset", "-c", PROXY_CPUS, *proxy.command]
-            started.append(proxy.__enter__())
+            started.append(pinned(proxy).__enter__())
         routes = {"direct": stub_url, **{name: p.url for name, p in proxies.items()}}
         for round_number in range(args.rounds):
             names = list(routes)
