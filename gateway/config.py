@@ -346,11 +346,12 @@ def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
     """The CPUs this process may run on: its affinity, capped by its cgroup's CPU
     quota (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``), rounded up; at least 1. Python's
     ``os.cpu_count`` sees the host's cores, not a container's limit."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux
+    cpus = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
     quota = _cgroup_cpu_quota(cgroup)
     if quota is not None:
-        cpus = min(cpus or 1, math.ceil(quota))
-    return max(1, cpus or 1)
+        cpus = min(cpus, math.ceil(quota))
+    return max(1, cpus)
 
 
 def _cgroup_cpu_quota(cgroup: Path) -> float | None:
