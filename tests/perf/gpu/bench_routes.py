@@ -50,6 +50,26 @@ def cpu_ticks(pid: int) -> int:
     return total
 
 
+#: The kernel's TCP counters that tell a dropped or retried connection (/proc/net/netstat,
+#: /proc/net/snmp): a first token about a second late is the kernel's 1 s SYN retry.
+TCP_COUNTERS = (
+    "ListenOverflows", "ListenDrops", "TCPSynRetrans", "TCPTimeouts", "RetransSegs",
+    "TCPReqQFullDrop", "TCPReqQFullDoCookies", "AttemptFails", "EstabResets",
+)  # fmt: skip
+
+
+def tcp_counters() -> dict[str, int]:
+    counters: dict[str, int] = {}
+    for table in ("/proc/net/netstat", "/proc/net/snmp"):
+        with contextlib.suppress(OSError):
+            lines = Path(table).read_text().splitlines()
+            for names, values in zip(lines[::2], lines[1::2], strict=True):
+                for name, value in zip(names.split()[1:], values.split()[1:], strict=True):
+                    if name in TCP_COUNTERS:
+                        counters[name] = int(value)
+    return counters
+
+
 def serve_args(
     url: str, conc: int, prompts: int, tokenizer: str, extra: list[str]
 ) -> argparse.Namespace:
@@ -65,7 +85,7 @@ def serve_args(
             "--ignore-eos", "--num-prompts", str(prompts), "--max-concurrency", str(conc),
             "--temperature", "0", "--seed", "1",
             "--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,99",
-            "--disable-tqdm", *extra,
+            "--disable-tqdm", "--save-detailed", *extra,  # detailed: each request's TTFT
         ]
     )  # fmt: skip
 
@@ -112,6 +132,7 @@ def main_cli() -> None:
                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
                     )  # fmt: skip
                 before = cpu_ticks(pid) if pid else 0
+                tcp_before = tcp_counters()
                 try:
                     result = run(url, conc, prompts, opts)
                 except Exception as exc:  # one route's failure leaves the others' rows
@@ -129,9 +150,19 @@ def main_cli() -> None:
                     print(json.dumps(summary[-1]), flush=True)
                     continue
                 keep = {key: result[key] for key in KEPT if key in result}
-                ttfts = sorted(result.get("ttfts") or [0.0])  # seconds, one per request
-                keep["max_ttft_ms"] = ttfts[-1] * 1000
-                keep["ttfts_over_1s"] = sum(t > 1 for t in ttfts)  # a stalled connect or read
+                ttfts = result.get("ttfts") or [0.0]  # seconds, one per request
+                keep["max_ttft_ms"] = max(ttfts) * 1000
+                # A stalled connect or read: when in the run it started, and its TTFT.
+                starts = result.get("start_times") or [0.0] * len(ttfts)
+                began = min(starts)
+                keep["stalls"] = sorted(
+                    (round(start - began, 3), round(t, 3))
+                    for start, t in zip(starts, ttfts, strict=True)
+                    if t > 0.75
+                )[:20]
+                tcp_after = tcp_counters()
+                keep["tcp"] = {k: v - tcp_before.get(k, 0) for k, v in tcp_after.items()
+                               if v != tcp_before.get(k, 0)}  # fmt: skip
                 row = {"conc": conc, "route": name, "round": k, "cpu_ticks": ticks, **keep}
                 summary.append(row)
                 print(json.dumps(row), flush=True)

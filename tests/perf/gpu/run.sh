@@ -175,6 +175,10 @@ for g in "${GATEWAYS[@]}"; do
   for _ in $(seq 1 60); do curl -sf -o /dev/null "${g#*=}/readyz" && break; sleep 1; done
 done
 say "gateways up: ${GATEWAYS[*]}"
+# Listen queues and the kernel's SYN settings: bench_routes.py records per run the TCP
+# counters that tell a dropped connection (a first token about 1 s late: the SYN retry).
+{ ss -ltn; sysctl net.core.somaxconn net.ipv4.tcp_max_syn_backlog net.ipv4.tcp_syncookies; } \
+  > "$OUT/listen.txt" 2>&1
 BENCH_CORES=$(( CORES / 2 + 6 ))-$(( CORES - 1 ))
 # What the model writes (random or trained weights; the guard judges it as a real answer).
 curl -s http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
