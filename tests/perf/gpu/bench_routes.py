@@ -54,7 +54,9 @@ def cpu_ticks(pid: int) -> int:
 #: /proc/net/snmp): a first token about a second late is the kernel's 1 s SYN retry.
 TCP_COUNTERS = (
     "ListenOverflows", "ListenDrops", "TCPSynRetrans", "TCPTimeouts", "RetransSegs",
-    "TCPReqQFullDrop", "TCPReqQFullDoCookies", "AttemptFails", "EstabResets",
+    "TCPReqQFullDrop", "TCPReqQFullDoCookies", "AttemptFails", "EstabResets", "OutRsts",
+    "ActiveOpens", "PassiveOpens", "TW", "TWRecycled", "PAWSActive", "PAWSEstab",
+    "TCPChallengeACK", "TCPSYNChallenge",
 )  # fmt: skip
 
 
