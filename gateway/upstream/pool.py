@@ -321,8 +321,9 @@ def new_session(
     trace_configs: list[aiohttp.TraceConfig] | None = None,
 ) -> aiohttp.ClientSession:
     timeouts = settings.timeouts
-    # Below uvicorn's (vLLM's server) 5 s keep-alive, so the gateway drops an idle
-    # connection before the backend does.
+    # Below uvicorn's (vLLM's server) 5 s keep-alive, so the gateway never sends on an
+    # idle connection the backend is closing (aiohttp's connector does not reuse one
+    # idle longer; its sweep closes it within twice that).
     keepalive: dict[str, Any] = (
         {"keepalive_timeout": settings.keepalive_s} if pooled else {"force_close": True}
     )
