@@ -69,15 +69,24 @@ def gateway(out: Path) -> None:
 
     print(
         "| c | route (rounds) | TTFT p50 / p99 ms | ITL p50 / p99 ms | E2E p50 ms | output tok/s "
-        "| vs direct: TTFT p50, ITL p50, tok/s | gateway CPU per output token |"
+        "| vs direct, paired by round: TTFT p50, ITL p50, tok/s | gateway CPU per output token |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for conc, route in runs:
         m = {key: median(conc, route, key) for key in runs[(conc, route)][0] if key != "route"}
         ratios = cpu = "-"
         if route != "direct" and (conc, "direct") in runs:
+            # Each round's run against the same round's direct run, then the median:
+            # the rounds drift (the first is often slower), the routes of one round not.
+            direct = {r["round"]: r for r in runs[(conc, "direct")]}
             ratios = ", ".join(
-                f"{m[key] / median(conc, 'direct', key):.2f}x"
+                "{:.2f}x".format(
+                    statistics.median(
+                        r[key] / direct[r["round"]][key]
+                        for r in runs[(conc, route)]
+                        if r["round"] in direct
+                    )
+                )
                 for key in ("median_ttft_ms", "median_itl_ms", "output_throughput")
             )
             tokens = sum(r["total_output_tokens"] for r in runs[(conc, route)])
