@@ -114,8 +114,8 @@ class UpstreamSettings(_Strict):
     #: 256, or 1024 on large GPUs) plus the requests it should queue itself. There
     #: is no cap on all backends together.
     max_connections_per_backend: Annotated[int, Field(ge=1)] = 1024
-    #: An upstream connection idle this long is not used again (aiohttp closes it
-    #: within twice this long); keep it below the backend's keep-alive timeout
+    #: An upstream connection idle this long is not used again (aiohttp's sweep closes
+    #: it within about twice this long); keep it below the backend's keep-alive timeout
     #: (vLLM/uvicorn: 5 s), so that no request goes out on a connection the backend
     #: is closing. The backend may close it first: its TIME_WAIT is then the pod's.
     keepalive_s: Annotated[float, Field(gt=0)] = 4.0
