@@ -388,12 +388,6 @@ class ServerSettings(_Strict):
     #: connections, and a worker that exits resets the connections still queued for
     #: it unless net.ipv4.tcp_migrate_req is 1 (docs/deployment.md). Off: uvicorn's.
     reuse_port: bool = False
-
-    @field_validator("workers", mode="before")
-    @classmethod
-    def _workers_auto(cls, value: object) -> object:
-        return min(usable_cpus(), 64) if value == "auto" else value
-
     max_body_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
     #: Total size of a request's headers, enforced while they arrive; larger gets 431.
     max_header_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024
@@ -427,6 +421,11 @@ class ServerSettings(_Strict):
     #: that is not itself a trusted proxy); behind a proxy not listed, every client
     #: is that proxy. Not needed when client API keys are checked (auth).
     trusted_proxies: list[IPvAnyNetwork] = Field(default_factory=list)
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers_auto(cls, value: object) -> object:
+        return min(usable_cpus(), 64) if value == "auto" else value
 
 
 _SHA256_HEX = r"^[0-9a-f]{64}$"

@@ -323,7 +323,7 @@ def new_session(
     timeouts = settings.timeouts
     # Below uvicorn's (vLLM's server) 5 s keep-alive, so the gateway never sends on an
     # idle connection the backend is closing (aiohttp's connector does not reuse one
-    # idle longer; its sweep closes it within twice that).
+    # idle longer; its sweep closes it within about twice that).
     keepalive: dict[str, Any] = (
         {"keepalive_timeout": settings.keepalive_s} if pooled else {"force_close": True}
     )

@@ -175,8 +175,9 @@ for g in "${GATEWAYS[@]}"; do
   for _ in $(seq 1 60); do curl -sf -o /dev/null "${g#*=}/readyz" && break; sleep 1; done
 done
 say "gateways up: ${GATEWAYS[*]}"
-# Listen queues (where ss exists; the lent H200 has none) and the kernel's SYN settings: bench_routes.py records per run the TCP
-# counters that tell a dropped connection (a first token about 1 s late: the SYN retry).
+# Listen queues (where ss exists; the lent H200 has none) and the kernel's SYN and
+# TIME_WAIT settings, beside the TCP counters bench_routes.py records per run: whether a
+# first token about 1 s late was a SYN retry (the kernel's first comes after 1 s).
 { command -v ss >/dev/null && ss -ltn; sysctl net.core.somaxconn net.ipv4.tcp_max_syn_backlog net.ipv4.tcp_syncookies \
   net.ipv4.tcp_timestamps net.ipv4.tcp_tw_reuse net.ipv4.ip_local_port_range; } \
   > "$OUT/listen.txt" 2>&1
