@@ -107,6 +107,11 @@ def main_cli() -> None:
     parser.add_argument("--concs", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts-per-client", type=int, default=8)
+    parser.add_argument(
+        "--prompts", type=int, default=0,
+        help="prompts per run at every concurrency (instead of per client): runs of about "
+        "equal length, long enough at c=64 to read a few percent",
+    )  # fmt: skip
     parser.add_argument("--tokenizer", default="/tmp/tiny")
     parser.add_argument("--profile", default="", help="route to record with py-spy")
     parser.add_argument("--extra", nargs="*", default=[], help="more `bench serve` flags")
@@ -119,7 +124,7 @@ def main_cli() -> None:
         routes.append((name, url, int(pid) if pid else None))
     summary: list[dict] = []
     for conc in opts.concs:
-        prompts = conc * opts.prompts_per_client
+        prompts = opts.prompts or conc * opts.prompts_per_client
         run(routes[0][1], conc, prompts, opts)  # warm-up direct: prefixes cached, graphs taken
         for _, url, pid in routes:
             if pid is not None:

@@ -163,10 +163,12 @@ for policy in "${POLICY_LIST[@]}"; do  # off: the guard off, the relay alone
   first=$(( CORES / 2 + (${#GATEWAYS[@]}) * 2 ))
   workers=1; guard="{stream: {release: $policy}}"
   reuse=false  # off2rp: two workers, a listening socket each (server.reuse_port)
+  logprobs=false  # logprobs: the defaults with upstream.backends[].ask_logprobs (exact detection)
   case $policy in off) guard="{mode: \"off\"}";; off2) guard="{mode: \"off\"}"; workers=2;;
-    off2rp) guard="{mode: \"off\"}"; workers=2; reuse=true;; esac
-  printf 'upstream:\n  backends: [{name: vllm, url: "http://127.0.0.1:8000"}]\nguard: %s\nserver: {workers: %s, reuse_port: %s}\n' \
-    "$guard" $workers $reuse > "$OUT/gateway_$policy.yaml"
+    off2rp) guard="{mode: \"off\"}"; workers=2; reuse=true;;
+    logprobs) guard="{}"; logprobs=true;; esac
+  printf 'upstream:\n  backends: [{name: vllm, url: "http://127.0.0.1:8000", ask_logprobs: %s}]\nguard: %s\nserver: {workers: %s, reuse_port: %s}\n' \
+    $logprobs "$guard" $workers $reuse > "$OUT/gateway_$policy.yaml"
   PYTHONPATH=$GATEWAY_PATH taskset -c $first-$(( first + 1 )) python3 -m gateway.cli serve \
     --config "$OUT/gateway_$policy.yaml" --host 127.0.0.1 --port $port > "$OUT/gateway_$policy.log" 2>&1 &
   GATEWAYS+=("$policy=http://127.0.0.1:$port"); GPIDS[$policy]=$!; port=$((port + 1))
@@ -190,6 +192,7 @@ ROUTES=("direct=http://127.0.0.1:8000")
 for g in "${GATEWAYS[@]}"; do ROUTES+=("$g@${GPIDS[${g%%=*}]}"); done
 PYTHONPATH=$SITE taskset -c $BENCH_CORES python3 "$H/bench_routes.py" --out "$OUT" \
   --concs ${CONCS:-8 64} --rounds ${ROUNDS:-3} --prompts-per-client ${ROUNDS_PER_CLIENT:-8} \
+  --prompts ${PROMPTS:-0} \
   $([ "${PROFILE:-0}" = 1 ] && echo --profile off) "${ROUTES[@]}" > "$OUT/bench_routes.log" 2>&1 \
   || { say "bench_routes failed"; grep -v "nanobind\|leaked" "$OUT/bench_routes.log" | tail -20; }
 grep '^{"conc"' "$OUT/bench_routes.log" | cut -c1-160
