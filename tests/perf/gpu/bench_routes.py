@@ -109,13 +109,15 @@ def main_cli() -> None:
     parser.add_argument("--prompts-per-client", type=int, default=8)
     parser.add_argument(
         "--prompts", type=int, default=0,
-        help="prompts per run at every concurrency (instead of per client): runs of about "
-        "equal length, long enough at c=64 to read a few percent",
+        help="prompts per run at every concurrency (instead of per client; at least the "
+        "largest concurrency): runs of about equal length, c=64's as long as c=256's",
     )  # fmt: skip
     parser.add_argument("--tokenizer", default="/tmp/tiny")
     parser.add_argument("--profile", default="", help="route to record with py-spy")
     parser.add_argument("--extra", nargs="*", default=[], help="more `bench serve` flags")
     opts = parser.parse_args()
+    if opts.prompts and opts.prompts < max(opts.concs):
+        parser.error(f"--prompts {opts.prompts}: fewer than a concurrency's clients")
     opts.out.mkdir(parents=True, exist_ok=True)
     routes = []
     for spec in opts.routes:
