@@ -81,9 +81,10 @@ def gateway(out: Path) -> None:
             keys = ("median_ttft_ms", "median_itl_ms", "output_throughput")
             ratios = ", ".join(f"{m[k] / median(conc, 'direct', k):.2f}x" for k in keys)
             # Each run against the same round's direct run, then the median. Neither
-            # way is clean: the rounds drift (direct's own c=64 TTFT went 205, 159,
-            # 131 ms), and so do the runs of one round (the order rotates); where
-            # the two ratios differ, the figure is inside the noise.
+            # way is clean: the rounds drift (direct's own figures too; BENCHMARKS.md,
+            # "The H200 with a model that writes words"), and so do the runs of one round
+            # (the order rotates); where the two ratios differ, the figure is inside the
+            # noise.
             direct = {r["round"]: r for r in runs[(conc, "direct")]}
             paired = ", ".join(
                 "{:.2f}x".format(

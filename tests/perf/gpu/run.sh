@@ -26,9 +26,10 @@
 #    concurrencies and gateways (off2: the guard off, two workers; off2rp: the same with
 #    server.reuse_port; logprobs: the defaults with ask_logprobs, exact detection's cost);
 #    PROMPTS=N runs N prompts per run at every concurrency (default: ROUNDS_PER_CLIENT
-#    prompts per client, so c=64's runs are a quarter of c=256's); tests/perf/gpu/bench_routes.py
-#    runs them; each gateway's CPU seconds per run from /proc; PROFILE=1 records the "off" gateway with py-spy (its wheel
-#    in .gpu/tools/) during each concurrency's run: a collapsed-stack file per concurrency.
+#    prompts per client, so c=64's runs are a quarter of c=256's);
+#    tests/perf/gpu/bench_routes.py runs them; each gateway's CPU seconds per run from
+#    /proc; PROFILE=1 records the "off" gateway with py-spy (its wheel in .gpu/tools/)
+#    during each concurrency's run: a collapsed-stack file per concurrency.
 # 3. tests/perf/bench_event_rate.py on this machine's CPUs (no GPU, no vLLM): the same
 #    relay against a stub that steps like an engine, direct vs through, CPU per event.
 #
