@@ -94,8 +94,14 @@ def serve_args(
     )  # fmt: skip
 
 
-def run(url: str, conc: int, prompts: int, opts: argparse.Namespace) -> dict:
-    return main(serve_args(url, conc, prompts, opts.tokenizer, opts.extra))
+#: What a gateway with ``ask_logprobs`` adds to a chat request (openai_chunks.logprobs_ask):
+#: sent direct by the routes in --ask-logprobs, vLLM's own share of that policy's cost.
+LOGPROBS_ASK = '{"logprobs": true, "top_logprobs": 0}'
+
+
+def run(url: str, conc: int, prompts: int, opts: argparse.Namespace, name: str = "") -> dict:
+    extra = [*opts.extra, "--extra-body", LOGPROBS_ASK] if name in opts.ask_logprobs else opts.extra
+    return main(serve_args(url, conc, prompts, opts.tokenizer, extra))
 
 
 def main_cli() -> None:
@@ -115,6 +121,11 @@ def main_cli() -> None:
     parser.add_argument("--tokenizer", default="/tmp/tiny")
     parser.add_argument("--profile", default="", help="route to record with py-spy")
     parser.add_argument("--extra", nargs="*", default=[], help="more `bench serve` flags")
+    parser.add_argument(
+        "--ask-logprobs", action="append", default=[], metavar="ROUTE",
+        help="a route whose requests ask for the sampled tokens' logprobs, as a gateway "
+        "with ask_logprobs does (a direct one: vLLM's share of that cost); repeatable",
+    )  # fmt: skip
     opts = parser.parse_args()
     if opts.prompts and opts.prompts < max(opts.concs):
         parser.error(f"--prompts {opts.prompts}: fewer than a concurrency's clients")
@@ -145,7 +156,7 @@ def main_cli() -> None:
                 before = cpu_ticks(pid) if pid else 0
                 tcp_before = tcp_counters()
                 try:
-                    result = run(url, conc, prompts, opts)
+                    result = run(url, conc, prompts, opts, name)
                 except Exception as exc:  # one route's failure leaves the others' rows
                     summary.append({"conc": conc, "route": name, "failed": repr(exc)})
                     print(json.dumps(summary[-1]), flush=True)

@@ -53,8 +53,15 @@ def plugin(out: Path) -> None:
         )
 
 
+#: A route measured against a direct route that asks vLLM for the same work (where the
+#: run has it): the logprobs gateway against vLLM answering with logprobs, the gateway's
+#: own share; direct_logprobs itself against direct, vLLM's share.
+BASELINES = {"logprobs": "direct_logprobs"}
+
+
 def gateway(out: Path) -> None:
-    """Medians over bench_routes.py's rounds (routes.json), each route against direct."""
+    """Medians over bench_routes.py's rounds (routes.json), each route against direct
+    (or its BASELINES route)."""
     report = json.loads((out / "routes.json").read_text())
     clk = float(report["clk_tck"])
     runs: dict[tuple[int, str], list[dict[str, float]]] = {}
@@ -77,15 +84,18 @@ def gateway(out: Path) -> None:
         first = runs[(conc, route)][0]  # its figures: numbers (not the slowest list, tcp)
         m = {key: median(conc, route, key) for key in first if type(first[key]) in (int, float)}
         ratios = paired = cpu = "-"
-        if route != "direct" and (conc, "direct") in runs:
+        base = BASELINES.get(route, "direct")
+        if (conc, base) not in runs:
+            base = "direct"
+        if route != "direct" and (conc, base) in runs:
             keys = ("median_ttft_ms", "median_itl_ms", "output_throughput")
-            ratios = ", ".join(f"{m[k] / median(conc, 'direct', k):.2f}x" for k in keys)
+            ratios = ", ".join(f"{m[k] / median(conc, base, k):.2f}x" for k in keys)
             # Each run against the same round's direct run, then the median. Neither
             # way is clean: the rounds drift (direct's own figures too; BENCHMARKS.md,
             # "The H200 with a model that writes words"), and so do the runs of one round
             # (the order rotates); where the two ratios differ, the figure is inside the
             # noise.
-            direct = {r["round"]: r for r in runs[(conc, "direct")]}
+            direct = {r["round"]: r for r in runs[(conc, base)]}
             paired = ", ".join(
                 "{:.2f}x".format(
                     statistics.median(
@@ -98,7 +108,8 @@ def gateway(out: Path) -> None:
             )
             tokens = sum(r["total_output_tokens"] for r in runs[(conc, route)])
             ticks = sum(r["cpu_ticks"] for r in runs[(conc, route)])
-            cpu = f"{ticks / clk / tokens * 1e6:.0f} µs"
+            cpu = f"{ticks / clk / tokens * 1e6:.0f} µs" if ticks else "-"  # a direct route
+            ratios += "" if base == "direct" else f" (vs {base})"
         print(
             f"| {conc} | {route} ({len(runs[(conc, route)])}) "
             f"| {m['median_ttft_ms']:.1f} / {m['p99_ttft_ms']:.1f} "

@@ -24,7 +24,8 @@
 #    per release policy (auto, the default; adaptive), each gateway on cores of its own,
 #    at c=8 and c=64: TTFT, ITL, throughput. CONCS="64 256" POLICIES="off off2" picks the
 #    concurrencies and gateways (off2: the guard off, two workers; off2rp: the same with
-#    server.reuse_port; logprobs: the defaults with ask_logprobs, exact detection's cost);
+#    server.reuse_port; logprobs: the defaults with ask_logprobs, exact detection's cost,
+#    beside a direct_logprobs route asking vLLM for the same logprobs: vLLM's share);
 #    PROMPTS=N runs N prompts per run at every concurrency (default: ROUNDS_PER_CLIENT
 #    prompts per client, so c=64's runs are a quarter of c=256's);
 #    tests/perf/gpu/bench_routes.py runs them; each gateway's CPU seconds per run from
@@ -191,11 +192,14 @@ BENCH_CORES=$(( CORES / 2 + 6 ))-$(( CORES - 1 ))
 curl -s http://127.0.0.1:8000/v1/completions -H 'content-type: application/json' \
   -d '{"model":"tiny","prompt":"Open the settings page and","max_tokens":32,"temperature":0}' \
   > "$OUT/sample.json"
-ROUTES=("direct=http://127.0.0.1:8000")
+ROUTES=("direct=http://127.0.0.1:8000"); ASK_LOGPROBS=()
+# Beside the logprobs gateway, vLLM asked for the same logprobs direct: whose cost it is.
+[ -n "${GPIDS[logprobs]:-}" ] && ROUTES+=("direct_logprobs=http://127.0.0.1:8000") \
+  && ASK_LOGPROBS=(--ask-logprobs direct_logprobs)
 for g in "${GATEWAYS[@]}"; do ROUTES+=("$g@${GPIDS[${g%%=*}]}"); done
 PYTHONPATH=$SITE taskset -c $BENCH_CORES python3 "$H/bench_routes.py" --out "$OUT" \
   --concs ${CONCS:-8 64} --rounds ${ROUNDS:-3} --prompts-per-client ${ROUNDS_PER_CLIENT:-8} \
-  --prompts ${PROMPTS:-0} \
+  --prompts ${PROMPTS:-0} "${ASK_LOGPROBS[@]}" \
   $([ "${PROFILE:-0}" = 1 ] && echo --profile off) "${ROUTES[@]}" > "$OUT/bench_routes.log" 2>&1 \
   || { say "bench_routes failed"; grep -v "nanobind\|leaked" "$OUT/bench_routes.log" | tail -20; }
 grep '^{"conc"' "$OUT/bench_routes.log" | cut -c1-160
