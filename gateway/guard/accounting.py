@@ -113,7 +113,7 @@ class Accounting:
             m.overhead.labels(request.endpoint, stream).observe(
                 max(0.0, elapsed - trace.upstream_s)
             )
-        if verdict != "clean" or trace.attempts > 1:
+        if verdict not in ("clean", "unguarded") or trace.attempts > 1:
             self.log_outcome(trace, backend, verdict, elapsed)
 
     def log_outcome(self, trace: Trace, backend: Backend, verdict: str, elapsed: float) -> None:

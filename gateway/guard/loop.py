@@ -530,7 +530,7 @@ class Guard:
     def _request_verdict(self, attempt: Attempt, trace: Trace) -> str:
         if attempt.status != 200:
             return "error"
-        if trace.request.unguardable:
+        if not trace.inspecting:  # guard.mode off, or nothing to inspect: never "clean"
             return "unguarded"
         if attempt.verdict.degenerate:
             return "degenerate"

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import GatewayFactory, RunningVLLM, openai_client
+from conftest import GatewayFactory, RunningVLLM, openai_client, scraped_metric
 from support.workload import is_corrupt, long_prompt, run_workload
 
 pytestmark = pytest.mark.vllm
@@ -161,6 +161,41 @@ def test_observe_mode_counts_but_never_retries(
         'vllm_guard_degenerate_responses_total{backend="vllm0",endpoint="chat",'
         'kind="punct_run",model="tiny"} 1.0' in metrics
     )
+
+
+def test_off_mode_relays_the_answer_as_it_is_and_counts_it_unguarded(
+    vllm: RunningVLLM, gateway_for: GatewayFactory
+) -> None:
+    """``off`` is the relay alone: the poisoned answer reaches the client as vLLM wrote
+    it, and the request is counted ``unguarded``, never ``clean`` (nothing judged it:
+    a dashboard of clean answers under ``off`` would be a claim no one checked)."""
+    gateway = gateway_for(vllm.url, guard={"mode": "off"})
+    messages = fresh_messages()
+    warm(vllm, messages)
+    client = openai_client(gateway.url)
+    raw = client.chat.completions.with_raw_response.create(
+        model=vllm.model, messages=messages, max_tokens=20, extra_body=poison(1.0, "bang")
+    )
+    assert is_corrupt(raw.parse().choices[0].message.content or "")
+    assert raw.headers["x-vllm-guard-attempts"] == "1"
+    assert raw.headers["x-vllm-guard-verdict"] == "unguarded"
+    streamed = client.chat.completions.with_raw_response.create(
+        model=vllm.model, messages=messages, max_tokens=20, stream=True,
+        extra_body=poison(1.0, "bang"),
+    )  # fmt: skip
+    assert streamed.headers["x-vllm-guard-verdict"] == "unguarded"
+    text = "".join(
+        chunk.choices[0].delta.content or "" for chunk in streamed.parse() if chunk.choices
+    )
+    assert is_corrupt(text)
+    for stream in ("false", "true"):
+        assert (
+            scraped_metric(
+                gateway.url, "vllm_guard_requests_total", stream=stream, verdict="unguarded"
+            )
+            == 1
+        )
+    assert "vllm_guard_degenerate_responses_total{" not in httpx.get(gateway.url + "/metrics").text
 
 
 def test_retry_salt_is_derived_from_the_client_salt(
