@@ -1,6 +1,7 @@
 """Tables from tests/perf/gpu/run.sh's output folder (markdown, for BENCHMARKS.md).
 
 python3 tests/perf/gpu/report.py plugin|gateway OUT
+python3 tests/perf/gpu/report.py gateway OUT1 OUT2 ...   # the runs' rounds pooled
 python3 tests/perf/gpu/report.py profile COLLAPSED_STACKS   # py-spy's raw output
 """
 
@@ -59,20 +60,26 @@ def plugin(out: Path) -> None:
 BASELINES = {"logprobs": "direct_logprobs"}
 
 
-def gateway(out: Path) -> None:
+def gateway(*outs: Path) -> None:
     """Medians over bench_routes.py's rounds (routes.json), each route against direct
-    (or its BASELINES route)."""
-    report = json.loads((out / "routes.json").read_text())
-    clk = float(report["clk_tck"])
+    (or its BASELINES route). Several folders (runs on one machine): their rounds
+    pooled, each paired with its own run's direct."""
     runs: dict[tuple[int, str], list[dict[str, float]]] = {}
-    for row in report["runs"]:
-        if "failed" in row:  # said, not averaged
-            print(f"c={row['conc']} {row['route']}: failed ({row['failed']})")
-            continue
-        runs.setdefault((row["conc"], row["route"]), []).append(row)
+    clk = 100.0
+    for n, out in enumerate(outs):
+        report = json.loads((out / "routes.json").read_text())
+        clk = float(report["clk_tck"])
+        for row in report["runs"]:
+            if "failed" in row:  # said, not averaged
+                print(f"c={row['conc']} {row['route']}: failed ({row['failed']})")
+                continue
+            row = {**row, "round": (n, row["round"])}  # a round is paired within its run
+            runs.setdefault((row["conc"], row["route"]), []).append(row)
 
-    def median(conc: int, route: str, key: str) -> float:
-        return statistics.median(r[key] for r in runs[(conc, route)])
+    def median(conc: int, route: str, key: str, like: str = "") -> float:
+        """Over the route's rounds; with ``like``, only in the runs that route was in."""
+        kept = {r["round"][0] for r in runs[(conc, like or route)]}
+        return statistics.median(r[key] for r in runs[(conc, route)] if r["round"][0] in kept)
 
     print(
         "| c | route (rounds) | TTFT p50 / p99 ms | ITL p50 / p99 ms | E2E p50 ms | output tok/s "
@@ -89,7 +96,7 @@ def gateway(out: Path) -> None:
             base = "direct"
         if route != "direct" and (conc, base) in runs:
             keys = ("median_ttft_ms", "median_itl_ms", "output_throughput")
-            ratios = ", ".join(f"{m[k] / median(conc, base, k):.2f}x" for k in keys)
+            ratios = ", ".join(f"{m[k] / median(conc, base, k, like=route):.2f}x" for k in keys)
             # Each run against the same round's direct run, then the median. Neither
             # way is clean: the rounds drift (direct's own figures too; BENCHMARKS.md,
             # "The H200 with a model that writes words"), and so do the runs of one round
@@ -154,4 +161,6 @@ def profile(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    {"plugin": plugin, "gateway": gateway, "profile": profile}[sys.argv[1]](Path(sys.argv[2]))
+    {"plugin": plugin, "gateway": gateway, "profile": profile}[sys.argv[1]](
+        *(Path(arg) for arg in sys.argv[2:])
+    )
