@@ -66,11 +66,12 @@ class Accounting:
         usage = attempt.usage
         if usage is None:
             return
-        label = (
-            "degenerate"
-            if (attempt.verdict.degenerate if degenerate is None else degenerate)
-            else "clean"
-        )
+        if not trace.inspecting:  # guard.mode off: nothing judged it
+            label = "unguarded"
+        elif attempt.verdict.degenerate if degenerate is None else degenerate:
+            label = "degenerate"
+        else:
+            label = "clean"
         if usage.cached_tokens is None:
             # Counting prompt tokens alone would read as a 0% hit rate: leave both.
             if backend not in self._tokens_unreported:

@@ -497,7 +497,7 @@ class Guard:
         if attempt.stream is None:
             self.accounting.count_attempt(attempt, trace)
         if otel is not None:
-            otel.annotate_attempt(traced.attempt_answered(attempt))
+            otel.annotate_attempt(traced.attempt_answered(attempt, inspected=trace.inspecting))
         return attempt
 
     def _logprobs_ask(

@@ -64,13 +64,14 @@ def attempt_attributes(trace: Trace, backend: Backend, salt: str | None, cause: 
     return attributes
 
 
-def attempt_answered(attempt: Attempt) -> Attributes:
+def attempt_answered(attempt: Attempt, *, inspected: bool) -> Attributes:
     """An attempt that got a response: its status, and the verdict so far (a released
-    stream's may change while it is relayed)."""
+    stream's may change while it is relayed). ``inspected``: the guard judges its
+    answers (not ``guard.mode: off``)."""
     verdict = attempt.verdict
     attributes: Attributes = {
         "http.response.status_code": attempt.status,
-        "vllm_guard.verdict": verdict_of(attempt),
+        "vllm_guard.verdict": verdict_of(attempt, inspected=inspected),
     }
     if verdict.kind is not None:
         attributes["vllm_guard.degenerate.kind"] = verdict.kind
@@ -78,9 +79,11 @@ def attempt_answered(attempt: Attempt) -> Attributes:
     return attributes
 
 
-def verdict_of(attempt: Attempt) -> str:
+def verdict_of(attempt: Attempt, *, inspected: bool) -> str:
     if attempt.status != 200:
         return "error"
+    if not inspected:  # nothing judged it: never "clean"
+        return "unguarded"
     return "degenerate" if attempt.verdict.degenerate else "clean"
 
 

@@ -6,6 +6,7 @@ The real vLLM nesting its spans under them: tests/integration/test_tracing_vllm.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from aiohttp import web
 from multidict import CIMultiDict
@@ -31,12 +33,15 @@ from test_guard_loop import (
     Script,
     answers_stream,
     answers_whole,
+    content_of,
     guard_with,
     handle,
     header,
+    metric,
     relayed,
     request,
     stream_of,
+    whole,
 )
 
 from gateway.config import TracingSettings
@@ -150,6 +155,57 @@ def test_a_recovered_request_is_one_trace_of_a_request_and_its_two_attempts() ->
             assert second.end_time <= root.end_time  # type: ignore[operator]
 
     asyncio.run(scenario())
+
+
+def test_with_the_guard_off_nothing_is_called_clean(caplog: pytest.LogCaptureFixture) -> None:
+    """``guard.mode: off`` judges no answer: a `!` run whole or streamed is relayed
+    as it came and is ``unguarded`` in its header, its request and attempt spans and
+    its token counters (never ``clean``), and leaves no outcome line; an answer vLLM
+    refused stays an ``error``."""
+
+    async def refused(_: web.Request) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "no", "code": 500}}, status=500)
+
+    async def cached_bangs(_: web.Request) -> web.StreamResponse:
+        body = orjson.loads(whole(BANGS))
+        body["usage"]["prompt_tokens_details"] = {"cached_tokens": 8}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def scenario() -> None:
+        bang_stream = stream_of(*["!!!!"] * 10)
+        script = Script([cached_bangs, answers_stream(bang_stream), refused])
+        async with guard_with(script, mode="off") as guard:
+            exporter = traced(guard)
+            for stream in (False, True):
+                answer = await handle(guard, stream=stream)
+                assert header(answer, "x-vllm-guard-verdict") == "unguarded"
+                if stream:
+                    assert content_of(await relayed(answer)) == "!!!!" * 10
+                else:
+                    assert BANGS.encode() in answer.body  # type: ignore[attr-defined]
+                root, (attempt,) = split(exporter.get_finished_spans())
+                assert attrs(root)["vllm_guard.verdict"] == "unguarded"
+                assert attrs(attempt)["vllm_guard.verdict"] == "unguarded"
+                exporter.clear()
+            answer = await handle(guard)
+            assert header(answer, "x-vllm-guard-verdict") == "error"
+            root, (attempt,) = split(exporter.get_finished_spans())
+            assert attrs(attempt)["vllm_guard.verdict"] == "error"
+            assert metric(guard, "vllm_guard_requests_total", verdict="unguarded") == 2
+            assert metric(guard, "vllm_guard_requests_total", verdict="clean") == 0
+            tokens = "vllm_guard_cached_prompt_tokens_total"
+            assert metric(guard, tokens, verdict="unguarded") == 8
+            assert metric(guard, tokens, verdict="clean") == 0
+
+    with caplog.at_level(logging.INFO, logger="gateway.guard.accounting"):
+        asyncio.run(scenario())
+    outcomes = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "gateway.guard.accounting" and r.getMessage().startswith("request ")
+    ]
+    assert len(outcomes) == 1  # the error's alone
+    assert ": error after 1 attempt" in outcomes[0]
 
 
 def test_the_clients_trace_context_is_the_request_spans_parent() -> None:

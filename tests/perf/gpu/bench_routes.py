@@ -135,6 +135,11 @@ def main_cli() -> None:
         name, rest = spec.split("=", 1)
         url, _, pid = rest.partition("@")
         routes.append((name, url, int(pid) if pid else None))
+    unknown = set(opts.ask_logprobs) - {name for name, _, _ in routes}
+    if unknown:
+        parser.error(f"--ask-logprobs {' '.join(sorted(unknown))}: no such route")
+    if opts.ask_logprobs and "--extra-body" in opts.extra:
+        parser.error("--ask-logprobs sets --extra-body: put both in --extra instead")
     summary: list[dict] = []
     for conc in opts.concs:
         prompts = opts.prompts or conc * opts.prompts_per_client
