@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from gateway.detect import DegenerateKind
 from gateway.guard import traced
-from gateway.guard.attempt import Attempt
+from gateway.guard.attempt import Attempt, judged_label
 from gateway.guard.request import GuardedRequest
 from gateway.guard.trace import Trace
 from gateway.observe.evidence import EvidenceRecord, EvidenceStore, prompt_fingerprint
@@ -66,12 +66,10 @@ class Accounting:
         usage = attempt.usage
         if usage is None:
             return
-        if not trace.inspecting:  # guard.mode off: nothing judged it
-            label = "unguarded"
-        elif attempt.verdict.degenerate if degenerate is None else degenerate:
-            label = "degenerate"
-        else:
-            label = "clean"
+        label = judged_label(
+            attempt.verdict.degenerate if degenerate is None else degenerate,
+            inspected=trace.inspecting,
+        )
         if usage.cached_tokens is None:
             # Counting prompt tokens alone would read as a 0% hit rate: leave both.
             if backend not in self._tokens_unreported:

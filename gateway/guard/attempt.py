@@ -13,6 +13,14 @@ from gateway.guard.tail import TailHold
 from gateway.upstream.pool import Backend, RawHeaders
 
 
+def judged_label(degenerate: bool, *, inspected: bool) -> str:
+    """An answered attempt's label in metrics and spans: ``unguarded`` where nothing
+    judged it (``guard.mode: off``), never ``clean``."""
+    if not inspected:
+        return "unguarded"
+    return "degenerate" if degenerate else "clean"
+
+
 @dataclass(slots=True)
 class Attempt:
     backend: Backend

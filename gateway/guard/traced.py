@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 
-from gateway.guard.attempt import Attempt
+from gateway.guard.attempt import Attempt, judged_label
 from gateway.guard.request import GuardedRequest
 from gateway.guard.trace import Trace
 from gateway.observe.tracing import RETRIED, Attributes, RequestSpans, Tracing
@@ -82,9 +82,7 @@ def attempt_answered(attempt: Attempt, *, inspected: bool) -> Attributes:
 def verdict_of(attempt: Attempt, *, inspected: bool) -> str:
     if attempt.status != 200:
         return "error"
-    if not inspected:  # nothing judged it: never "clean"
-        return "unguarded"
-    return "degenerate" if attempt.verdict.degenerate else "clean"
+    return judged_label(attempt.verdict.degenerate, inspected=inspected)
 
 
 def usage_of(attempt: Attempt) -> Attributes:
