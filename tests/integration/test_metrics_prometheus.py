@@ -21,6 +21,9 @@ from support.workload import run_workload
 pytestmark = pytest.mark.vllm
 
 POISON = {"vllm_xargs": {"vg_poison_rate": 0.15}}
+# Every cache hit poisoned: an episode's second step reuses its first step's blocks
+# (the test server's 1M-token KV cache evicts nothing), so it is corrupt for sure.
+ALWAYS_POISONED = {"vllm_xargs": {"vg_poison_rate": 1.0}}
 
 
 def test_promql_matches_what_the_test_sent_and_saw(
@@ -42,10 +45,18 @@ def test_promql_matches_what_the_test_sent_and_saw(
             client, vllm.model, episodes_count=4, steps=3, concurrency=4, seed=seed + 7,
             extra_body=POISON, max_tokens=16, stream=True,
         )  # fmt: skip
+        # At 0.15 a run can hit no poisoned block at all (each episode reuses about
+        # four blocks, so all ten stay clean with odds of about 0.52^10, 1 in 700:
+        # it happened in CI). Two episodes poisoned at every hit make the recovered
+        # count at least 2 by construction, not by luck.
+        results += run_workload(
+            client, vllm.model, episodes_count=2, steps=2, concurrency=2, seed=seed + 13,
+            extra_body=ALWAYS_POISONED, max_tokens=16,
+        )  # fmt: skip
         sent = len(results)
         recovered = sum(r.verdict == "recovered" for r in results)
         retries = sum(r.attempts - 1 for r in results)
-        assert recovered > 0, "the workload hit no poisoned block; nothing to measure"
+        assert recovered >= 2, "the always-poisoned episodes' second steps were not recovered"
         time.sleep(1.5)  # let the backend scrape see the traffic
         prom.wait_for_scrape_after(time.time(), "gateway")
 
