@@ -32,7 +32,11 @@ def fresh_prompt() -> list[dict[str, str]]:
 
 def ask(url: str, messages: list[dict[str, str]], key: str | None = None, **extra: Any) -> Any:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, **extra}
+    # Greedy: a sampled answer can open with EOS (about 6e-5 a request on the test
+    # model) and come back empty, which the guard rightly retries; a "clean" count
+    # would then be off by one. The greedy first token was never EOS in 300 prompts.
+    body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+            **extra}  # fmt: skip
     response = httpx.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=120)
     assert response.status_code == 200, response.text
     return response
@@ -52,7 +56,9 @@ def test_a_burst_with_half_the_answers_poisoned_is_delivered_clean(
     The old budget (20% of requests + 1/s over 10 s: 22 retries here) delivered 8 of
     them corrupt with attempts=1. Deterministic: a warmed prompt with
     vg_poison_rate 1.0 always hits a poisoned block; 0.0 never does."""
-    gateway = gateway_for(vllm.url)
+    # 60 client threads share this process (and its GIL) with the gateway: a loopback
+    # connect can wait past the default 5 s connect timeout, which is not under test.
+    gateway = gateway_for(vllm.url, upstream={"timeouts": {"connect_s": 60.0}})
     poisoned = [fresh_prompt() for _ in range(30)]
     with ThreadPoolExecutor(8) as pool:  # warm: the next send of each hits the cache
         list(pool.map(lambda m: ask(vllm.url, m, max_tokens=1), poisoned))

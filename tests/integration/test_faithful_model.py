@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import GatewayFactory, RunningVLLM, openai_client
-from support.workload import is_corrupt, long_prompt, run_workload
+from support.workload import StepResult, is_corrupt, long_prompt, run_workload
 
 pytestmark = pytest.mark.vllm
 
@@ -69,16 +69,28 @@ def test_no_corrupt_answer_is_delivered_under_the_faithful_model(
 ) -> None:
     """The field workload (episodes sharing a growing prefix), half of the reused
     states sources, propagation on. Direct: corruption. Through the gateway (default
-    settings): none. P(no corrupt answer direct) <= 0.5^18 (18 steps that reuse a
-    state), about 4e-6."""
+    settings): none. Steps of an episode often reuse the same last block, so the half
+    rate alone leaves about 13 independent draws (1 in 8,000 runs direct with nothing
+    corrupt): two more episodes whose every reused state is a source make corruption
+    on each side certain."""
     gateway = gateway_for(vllm.url)
     xargs = {"vllm_xargs": {"vg_source_rate": 0.5, "vg_propagate": True}}
-    shape = {"episodes_count": 6, "steps": 4, "concurrency": 6, "max_tokens": 12}
+    every_state_a_source = {"vllm_xargs": {"vg_source_rate": 1.0, "vg_propagate": True}}
+    shape = {"steps": 4, "max_tokens": 12}
     seed = int(time.time() * 1000) % 1_000_000
-    direct = run_workload(openai_client(vllm.url), vllm.model, seed=seed, extra_body=xargs,
-                          **shape)  # fmt: skip
-    guarded = run_workload(openai_client(gateway.url), vllm.model, seed=seed + 1,
-                           extra_body=xargs, **shape)  # fmt: skip
+
+    def workload(url: str, seed: int) -> list[StepResult]:
+        client = openai_client(url)
+        return run_workload(
+            client, vllm.model, seed=seed, episodes_count=6, concurrency=6,
+            extra_body=xargs, **shape,
+        ) + run_workload(
+            client, vllm.model, seed=seed + 500_000, episodes_count=2, concurrency=2,
+            extra_body=every_state_a_source, **shape,
+        )  # fmt: skip
+
+    direct = workload(vllm.url, seed)
+    guarded = workload(gateway.url, seed + 1)
     assert sum(is_corrupt(r.text) for r in direct) > 0
     assert [r.text for r in guarded if is_corrupt(r.text)] == []
     assert any(r.verdict == "recovered" for r in guarded)

@@ -189,10 +189,13 @@ def test_evidence_capture(
     client = openai_client(gateway.url)
     messages = [{"role": "user", "content": f"{SECRET_TEXT} {time.time()} {long_prompt(9, 320)}"}]
     poison = {"vllm_xargs": {"vg_poison_rate": 1.0, "vg_poison_kinds": "bang"}}
-    client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=1)
+    # Greedy: a sampled warm-up can open with EOS, be retried as empty, and leave an
+    # evidence record of its own.
+    client.chat.completions.create(model=vllm.model, messages=messages, max_tokens=1,
+                                   temperature=0)  # fmt: skip
     with caplog.at_level("INFO", logger="gateway.guard.accounting"):
         answer = client.chat.completions.create(
-            model=vllm.model, messages=messages, max_tokens=20, extra_body=poison,
+            model=vllm.model, messages=messages, max_tokens=20, temperature=0, extra_body=poison,
             extra_headers={"x-request-id": "evidence-req-1"},
         )  # fmt: skip
     assert not is_corrupt(answer.choices[0].message.content)
@@ -258,13 +261,15 @@ def _serve(stub: StubBackend, grace: float) -> tuple[subprocess.Popen[bytes], st
     return process, url
 
 
-def _stream_in_background(url: str, out: list[bytes]) -> threading.Thread:
+def _stream_in_background(
+    url: str, out: list[bytes], scenario: str = "slow-stream"
+) -> threading.Thread:
     def run() -> None:
         try:
             with httpx.stream(
                 "POST", url + "/v1/chat/completions",
                 json={"model": "m", "messages": [], "stream": True},
-                headers={"x-stub-scenario": "slow-stream"}, timeout=30,
+                headers={"x-stub-scenario": scenario}, timeout=30,
             ) as response:  # fmt: skip
                 for chunk in response.iter_raw():
                     out.append(chunk)
@@ -298,13 +303,16 @@ def test_sigterm_past_the_grace_ends_streams_in_band(stub: StubBackend, grace: f
     ``int(grace) or None``: wait forever, and the stream ran to its end)."""
     process, url = _serve(stub, grace=grace)
     out: list[bytes] = []
-    thread = _stream_in_background(url, out)
+    # A 10 s stream: with the 2 s one, the cut at about 0.8 + 0.2 + 1.0 s (uvicorn
+    # sees the signal up to 0.1 s late and waits 0.1 s more) raced its last tick by
+    # tens of milliseconds on a loaded machine.
+    thread = _stream_in_background(url, out, "slow-stream-10s")
     time.sleep(0.8)
     process.send_signal(signal.SIGTERM)
     thread.join(timeout=20)
     process.wait(timeout=20)
     body = b"".join(out)
-    assert body.count(b"tick") < 40
+    assert 0 < body.count(b"tick") < 200
     events = [e for e in body.split(b"\n\n") if e.startswith(b"data: ")]
     assert b'"code":"shutting_down"' in events[-2]
     assert events[-1] == b"data: [DONE]"

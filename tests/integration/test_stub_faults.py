@@ -219,14 +219,16 @@ def test_stream_ended_late_after_done_keeps_its_connection(
     )
     first = len(stub.state.client_ports)
     for _ in range(6):
+        # The 50 ms terminator read has ended before the next stream starts: without
+        # the pause, a loaded machine could find both pooled connections still busy.
+        time.sleep(0.2)
         started = time.perf_counter()
         response, events = stream_events(gateway.url, "late-end")
         assert (response.status_code, events[-1]) == (200, b"[DONE]")
         assert time.perf_counter() - started < 5  # never held to FINISH_READING_S per stream
     ports = stub.state.client_ports[first:]
     assert len(ports) == 6
-    # Two: the next request starts while the last connection is still reading the
-    # end of its body (50 ms), and takes another; after that both are reused.
+    # One, reused (two tolerated: a stalled machine can still overlap a read).
     assert len(set(ports)) <= 2, f"{ports}: {len(set(ports))} connections for 6 streams"
 
 
@@ -569,7 +571,9 @@ def test_a_conversations_turns_stay_on_one_replica(gateway_for: GatewayFactory) 
     with StubBackend() as a, StubBackend() as b:
         gateway = gateway_for([a.url, b.url])
         for turn in range(3):
-            for conversation in range(12):
+            # 40 conversations: all on one replica by chance is 2 x 2^-40 (at 12 it
+            # was 1 in 2,000: the rendezvous hash keys on the stubs' random ports).
+            for conversation in range(40):
                 messages = [
                     {"role": "system", "content": f"agent {conversation}"},
                     {"role": "user", "content": "open settings"},
@@ -586,7 +590,7 @@ def test_a_conversations_turns_stay_on_one_replica(gateway_for: GatewayFactory) 
             for body in stub.state.requests:
                 system = body["messages"][0]["content"]  # type: ignore[index]
                 homes.setdefault(system, set()).add(name)
-        assert len(homes) == 12
+        assert len(homes) == 40
         assert all(len(replicas) == 1 for replicas in homes.values()), homes
         assert {next(iter(r)) for r in homes.values()} == {"a", "b"}
         # The bounded-load counts go back to zero: streams, errors and hang-ups included.

@@ -191,8 +191,8 @@ def build_app(state: StubState) -> Starlette:
             if scenario == "late-bang":
                 for _ in range(30):
                     yield chunk("!")
-            if scenario == "slow-stream":
-                for _ in range(40):
+            if scenario in ("slow-stream", "slow-stream-10s"):  # 2 s or 10 s of ticks
+                for _ in range(40 if scenario == "slow-stream" else 200):
                     yield chunk("tick ")
                     await asyncio.sleep(0.05)
             yield chunk(finish="stop")
