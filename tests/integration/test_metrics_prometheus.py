@@ -45,9 +45,9 @@ def test_promql_matches_what_the_test_sent_and_saw(
             client, vllm.model, episodes_count=4, steps=3, concurrency=4, seed=seed + 7,
             extra_body=POISON, max_tokens=16, stream=True,
         )  # fmt: skip
-        # At 0.15 a run can hit no poisoned block at all (each episode reuses about
-        # four blocks, so all ten stay clean with odds of about 0.52^10, 1 in 700:
-        # it happened in CI). Two episodes poisoned at every hit make the recovered
+        # At 0.15 a run can hit no poisoned block at all (its ten episodes reuse about
+        # 35 distinct blocks: all clean with odds of 0.85^35, about 1 in 300; it
+        # happened in CI). Two episodes poisoned at every hit make the recovered
         # count at least 2 by construction, not by luck.
         results += run_workload(
             client, vllm.model, episodes_count=2, steps=2, concurrency=2, seed=seed + 13,

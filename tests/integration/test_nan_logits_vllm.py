@@ -269,7 +269,7 @@ def test_with_ask_logprobs_the_nan_verdicts_match_vllms_own_count(
             assert b"!!!" not in raw_answer(gateway.url, api, body)
             # Fixed and greedy: a sampled or random prompt's answer can be invisible
             # now and then (whitespace, an unfinished character), and an empty answer
-            # is rightly retried, one verdict too many.
+            # is rightly retried: one degenerate response too many in the total below.
             clean = plain_request(api, "a clean request, answered in words", model=vllm.model,
                                   temperature=0, stream=stream)  # fmt: skip
             raw_answer(gateway.url, api, clean)

@@ -219,16 +219,18 @@ def test_stream_ended_late_after_done_keeps_its_connection(
     )
     first = len(stub.state.client_ports)
     for _ in range(6):
-        # The 50 ms terminator read has ended before the next stream starts: without
-        # the pause, a loaded machine could find both pooled connections still busy.
-        time.sleep(0.2)
+        # The last stream's body has ended (the stub's 50 ms terminator sent) before
+        # the next starts: a loaded machine could otherwise find both pooled
+        # connections still reading and open a third.
+        assert wait_for(lambda: stub.state.open_streams == 0, timeout_s=10)
         started = time.perf_counter()
         response, events = stream_events(gateway.url, "late-end")
         assert (response.status_code, events[-1]) == (200, b"[DONE]")
         assert time.perf_counter() - started < 5  # never held to FINISH_READING_S per stream
     ports = stub.state.client_ports[first:]
     assert len(ports) == 6
-    # One, reused (two tolerated: a stalled machine can still overlap a read).
+    # One, reused (two tolerated: the gateway reads the terminator a moment after the
+    # stub has sent it).
     assert len(set(ports)) <= 2, f"{ports}: {len(set(ports))} connections for 6 streams"
 
 
